@@ -1,0 +1,28 @@
+"""portable_ssm: Mamba-2 written once against the Python array API.
+
+Runs unchanged on NumPy, CuPy, PyTorch, JAX and array-api-strict. ``import portable_ssm``
+imports no array framework beyond what is already loaded.
+
+Public API:
+    discretize                               Δ and Ā = exp(Δ·A) per head and step
+    ssd_scan, selective_scan, ssd_step       the chunked scan, the sequential oracle, one token
+    Mamba2Config, init_params, param_shapes  the model's configuration and parameters
+    forward, step, Mamba2State, empty_state  the full stack over a sequence / one token
+    to_backend, cast_params                  moving arrays between libraries, devices, dtypes
+"""
+
+from .backends import to_backend
+from .config import Mamba2Config, default_config
+from .discretize import discretize
+from .model import Mamba2State, empty_state, forward, step
+from .params import cast_params, check_params, init_params, param_shapes
+from .recurrence import selective_scan, ssd_step
+from .ssd import choose_chunk_size, ssd_scan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mamba2Config", "Mamba2State", "cast_params", "check_params", "choose_chunk_size", "default_config",
+    "discretize", "empty_state", "forward", "init_params", "param_shapes", "selective_scan", "ssd_scan",
+    "ssd_step", "step", "to_backend",
+]

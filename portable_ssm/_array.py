@@ -1,0 +1,111 @@
+"""The one module that touches ``array_api_compat``: namespaces, backend names and small helpers.
+
+Every public entry point calls :func:`namespace` once on its array arguments and passes the
+resulting ``xp`` down; private helpers take ``xp`` keyword-only. No framework is imported here:
+``array_api_compat`` inspects arrays by their type and only touches frameworks already loaded.
+
+Helpers below fill gaps in the standard (``softplus``, ``silu``) and are written only with
+standard functions so they run on array-api-strict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+
+Array = Any
+Namespace = Any
+
+_BACKEND_PREDICATES = (
+    ("numpy", array_api_compat.is_numpy_namespace),
+    ("torch", array_api_compat.is_torch_namespace),
+    ("cupy", array_api_compat.is_cupy_namespace),
+    ("jax", array_api_compat.is_jax_namespace),
+    ("array_api_strict", array_api_compat.is_array_api_strict_namespace),
+)
+
+
+def backend_name(xp: Namespace) -> str:
+    """The short backend name (``"numpy"``, ``"torch"``, ...) of an array namespace."""
+    for name, predicate in _BACKEND_PREDICATES:
+        if predicate(xp):
+            return name
+    return getattr(xp, "__name__", repr(xp))
+
+
+def array_backend(x: Array) -> str:
+    """The short backend name of one array, or its type name when it is not an array."""
+    if not array_api_compat.is_array_api_obj(x):
+        return type(x).__name__
+    return backend_name(array_api_compat.array_namespace(x))
+
+
+def namespace(**arrays: Array | None) -> Namespace:
+    """The array namespace shared by the named arrays (``None`` values are skipped).
+
+    Raises ``TypeError`` naming the argument when a value is not an array, and naming both
+    arguments and both backends when two arrays come from different libraries.
+    """
+    first_name, first_xp = None, None
+    for name, value in arrays.items():
+        if value is None:
+            continue
+        if not array_api_compat.is_array_api_obj(value):
+            raise TypeError(f"{name}: expected an array (numpy, torch, cupy, jax, array_api_strict), "
+                            f"got {type(value).__name__}")
+        xp = array_api_compat.array_namespace(value)
+        if first_xp is None:
+            first_name, first_xp = name, xp
+        elif backend_name(xp) != backend_name(first_xp):
+            raise TypeError(f"{name} is a {backend_name(xp)} array but {first_name} is a "
+                            f"{backend_name(first_xp)} array; pass arrays from one backend "
+                            f"(convert with portable_ssm.to_backend)")
+    if first_xp is None:
+        raise TypeError(f"expected at least one array among {', '.join(arrays)}")
+    return first_xp
+
+
+def device(x: Array) -> Any:
+    """The device an array lives on."""
+    return array_api_compat.device(x)
+
+
+def same_device(x: Array, y: Array) -> bool:
+    """Whether two arrays live on the same device."""
+    return str(device(x)) == str(device(y))
+
+
+def dtype_name(dtype: Any) -> str:
+    """A readable dtype name (``float32``) across backends (``torch.float32``, ``dtype('float32')``)."""
+    return str(getattr(dtype, "name", dtype)).split(".")[-1].strip("'<>)")
+
+
+def is_floating(xp: Namespace, x: Array) -> bool:
+    """Whether ``x`` has a real floating dtype (bf16 and fp16 included)."""
+    return xp.isdtype(x.dtype, "real floating")
+
+
+def compute_dtype(xp: Namespace, dtype: Any) -> Any:
+    """The dtype the SSM math runs in for inputs of ``dtype``: float64 stays, all else float32."""
+    return xp.float64 if dtype == xp.float64 else xp.float32
+
+
+def softplus(x: Array, *, xp: Namespace) -> Array:
+    """``log(1 + exp(x))`` without overflow: ``max(x, 0) + log1p(exp(-|x|))``."""
+    return xp.maximum(x, 0.0) + xp.log1p(xp.exp(-xp.abs(x)))
+
+
+def sigmoid(x: Array, *, xp: Namespace) -> Array:
+    """``1 / (1 + exp(-x))`` via tanh, finite for every finite input."""
+    return 0.5 * (1.0 + xp.tanh(0.5 * x))
+
+
+def silu(x: Array, *, xp: Namespace) -> Array:
+    """``x * sigmoid(x)``."""
+    return x * sigmoid(x, xp=xp)
+
+
+def zeros_like_shape(xp: Namespace, shape: tuple[int, ...], like: Array, dtype: Any = None) -> Array:
+    """Zeros of ``shape`` on ``like``'s device, in ``dtype`` (default: ``like``'s)."""
+    return xp.zeros(shape, dtype=like.dtype if dtype is None else dtype, device=device(like))

@@ -1,0 +1,124 @@
+"""``Mamba2Config``: the model's hyper-parameters, with mamba_ssm's field names, checked on creation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """Mamba-2 hyper-parameters (mamba_ssm's ``Mamba2`` / ``MambaConfig`` names).
+
+    Derived sizes: ``d_inner = expand·d_model``, ``nheads = d_inner / headdim``,
+    ``conv_dim = d_inner + 2·ngroups·d_state``, ``d_in_proj = 2·d_inner + 2·ngroups·d_state + nheads``.
+    Invalid combinations raise ``ValueError`` naming the field.
+    """
+
+    d_model: int
+    n_layer: int = 1
+    d_state: int = 128  # n: SSM state size per head
+    d_conv: int = 4  # k: causal depthwise conv width
+    expand: int = 2  # d_inner = expand * d_model
+    headdim: int = 64  # p
+    ngroups: int = 1  # g: B/C groups shared by nheads/ngroups heads each
+    chunk_size: int = 256  # mamba_ssm's chunk; the scan result does not depend on it
+    dt_min: float = 0.001  # init range of Δ
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple[float, float] = (0.0, math.inf)  # clamp on Δ after softplus
+    A_init_range: tuple[float, float] = (1.0, 16.0)  # A ~ U(range), A_log = log A
+    D_has_hdim: bool = False  # D is [nheads, headdim] instead of [nheads]
+    conv_bias: bool = True
+    bias: bool = False  # biases on in_proj / out_proj
+    norm_eps: float = 1e-5
+    residual_in_fp32: bool = True
+    vocab_size: int | None = None  # None: a backbone on embeddings only
+    tie_embeddings: bool = True
+    pad_vocab_size_multiple: int = 16
+    initializer_range: float = 0.02  # std of the embedding init
+    rescale_prenorm_residual: bool = True  # out_proj init / sqrt(n_layer)
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_layer", "d_state", "d_conv", "expand", "headdim", "ngroups",
+                     "chunk_size", "pad_vocab_size_multiple"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Mamba2Config.{name}: expected a positive int, got {value!r}")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size <= 0):
+            raise ValueError(f"Mamba2Config.vocab_size: expected None or a positive int, got {self.vocab_size!r}")
+        if self.d_inner % self.headdim:
+            raise ValueError(f"Mamba2Config.headdim: d_inner = expand*d_model = {self.d_inner} must be a "
+                             f"multiple of headdim = {self.headdim}")
+        if self.nheads % self.ngroups:
+            raise ValueError(f"Mamba2Config.ngroups: nheads = d_inner/headdim = {self.nheads} must be a "
+                             f"multiple of ngroups = {self.ngroups}")
+        if not 0 < self.dt_min <= self.dt_max:
+            raise ValueError(f"Mamba2Config.dt_min/dt_max: expected 0 < dt_min <= dt_max, "
+                             f"got {self.dt_min}, {self.dt_max}")
+        if self.dt_init_floor < 0:
+            raise ValueError(f"Mamba2Config.dt_init_floor: expected >= 0, got {self.dt_init_floor}")
+        low, high = self.dt_limit
+        if not 0 <= low < high:
+            raise ValueError(f"Mamba2Config.dt_limit: expected 0 <= low < high, got {self.dt_limit}")
+        lo, hi = self.A_init_range
+        if not 0 < lo <= hi:
+            raise ValueError(f"Mamba2Config.A_init_range: expected 0 < low <= high, got {self.A_init_range}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"Mamba2Config.norm_eps: expected > 0, got {self.norm_eps}")
+        object.__setattr__(self, "dt_limit", (float(low), float(high)))
+        object.__setattr__(self, "A_init_range", (float(lo), float(hi)))
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.headdim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def d_in_proj(self) -> int:
+        return 2 * self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
+
+    @property
+    def padded_vocab_size(self) -> int | None:
+        """``vocab_size`` rounded up to ``pad_vocab_size_multiple`` (mamba_ssm), or None."""
+        if self.vocab_size is None:
+            return None
+        m = self.pad_vocab_size_multiple
+        return ((self.vocab_size + m - 1) // m) * m
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict that :meth:`from_dict` reads back (inf written as a string)."""
+        out = asdict(self)
+        out["dt_limit"] = [str(v) if math.isinf(v) else v for v in self.dt_limit]
+        out["A_init_range"] = list(self.A_init_range)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Mamba2Config:
+        """Builds a config from :meth:`to_dict`'s output; unknown keys raise ValueError."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Mamba2Config: unknown fields {unknown}")
+        data = dict(data)
+        if "dt_limit" in data:
+            data["dt_limit"] = tuple(float(v) for v in data["dt_limit"])
+        if "A_init_range" in data:
+            data["A_init_range"] = tuple(float(v) for v in data["A_init_range"])
+        return cls(**data)
+
+
+def default_config(d_model: int) -> Mamba2Config:
+    """The small default model used when ``forward`` gets no params and no config: two layers,
+    d_state 64, and the largest headdim <= 64 that divides ``2·d_model``."""
+    d_inner = 2 * d_model
+    headdim = max(d for d in range(1, min(64, d_inner) + 1) if d_inner % d == 0)
+    return Mamba2Config(d_model=d_model, n_layer=2, d_state=64, headdim=headdim)

@@ -1,0 +1,94 @@
+"""The Mamba-2 mixer (MAMBA2_SPEC.md steps 1 to 9): projections, conv, SSM, gated norm.
+
+The layer reads as three phases: conv (``xBC``), ssm (chunked scan or one recurrence step),
+gated norm and out projection. Packed in_proj output order: ``[z, x, B, C, dt]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._array import Array, Namespace, compute_dtype, silu
+from .config import Mamba2Config
+from .conv import causal_conv1d, conv_step
+from .discretize import delta
+from .norm import gated_rms_norm
+from .recurrence import recurrence_step
+from .ssd import ssd_chunked
+from .ssm_inputs import heads_from_groups, skip_and_gate
+
+
+def _linear(v: Array, weight: Array, bias: Array | None, *, xp: Namespace) -> Array:
+    """``v @ weight.T + bias`` for ``v [..., in]``, as one matrix multiply over all leading axes."""
+    *lead, d = v.shape
+    out = xp.matmul(xp.reshape(v, (-1, d)), xp.matrix_transpose(weight))  # [prod(lead), out]
+    if bias is not None:
+        out = out + bias
+    return xp.reshape(out, (*lead, weight.shape[0]))  # [..., out]
+
+
+def _split(zxbcdt: Array, c: Mamba2Config) -> tuple[Array, Array, Array]:
+    """``[..., d_in_proj] -> z [..., d_inner], xBC [..., conv_dim], dt [..., nheads]``."""
+    return (zxbcdt[..., :c.d_inner], zxbcdt[..., c.d_inner:c.d_inner + c.conv_dim],
+            zxbcdt[..., c.d_inner + c.conv_dim:])
+
+
+def _split_xbc(xBC: Array, c: Mamba2Config, *, xp: Namespace) -> tuple[Array, Array, Array]:
+    """``xBC [..., conv_dim] -> x [..., h, p], B [..., g, n], C [..., g, n]``."""
+    gn = c.ngroups * c.d_state
+    *lead, _ = xBC.shape
+    x = xp.reshape(xBC[..., :c.d_inner], (*lead, c.nheads, c.headdim))  # [..., h, p]
+    B = xp.reshape(xBC[..., c.d_inner:c.d_inner + gn], (*lead, c.ngroups, c.d_state))  # [..., g, n]
+    C = xp.reshape(xBC[..., c.d_inner + gn:], (*lead, c.ngroups, c.d_state))  # [..., g, n]
+    return x, B, C
+
+
+def _ssm_params(p: dict[str, Array], c: Mamba2Config, cdtype: Any, *, xp: Namespace) -> tuple[Array, Array]:
+    """``(A [h], D)`` in the compute dtype: ``A = -exp(A_log)``."""
+    return -xp.exp(xp.astype(p["A_log"], cdtype)), xp.astype(p["D"], cdtype)
+
+
+def _output(y: Array, z: Array, p: dict[str, Array], c: Mamba2Config, *, xp: Namespace) -> Array:
+    """Gated grouped RMSNorm then out_proj: ``y, z [..., d_inner] -> [..., d_model]``."""
+    y = gated_rms_norm(y, z, p["norm.weight"], c.ngroups, c.norm_eps, xp=xp)
+    return _linear(y, p["out_proj.weight"], p.get("out_proj.bias"), xp=xp)
+
+
+def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | None,
+          ssm_state: Array | None, *, xp: Namespace) -> tuple[Array, Array, Array]:
+    """One Mamba-2 layer over a sequence: ``u [b, l, d_model]`` with layer params ``p`` (names
+    relative to ``mixer.``). Returns ``(out [b, l, d_model], conv_state [b, conv_dim, k],
+    ssm_state [b, h, p, n])``."""
+    b, l, _ = u.shape
+    z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
+    conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
+    xBC, conv_state = causal_conv1d(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp)
+    x, B, C = _split_xbc(silu(xBC, xp=xp), c, xp=xp)
+
+    cdtype = compute_dtype(xp, u.dtype)
+    A, D = _ssm_params(p, c, cdtype, xp=xp)
+    step = delta(dt, p["dt_bias"], True, c.dt_limit, xp=xp)  # Δ [b, l, h]
+    x, B, C = (xp.astype(v, cdtype) for v in (x, B, C))
+    y, ssm_state = ssd_chunked(x, xp.astype(step, cdtype), A, B, C, chunk_size=None,
+                               initial_states=ssm_state, xp=xp)
+    y = xp.reshape(skip_and_gate(y, x, D, None, xp=xp), (b, l, c.d_inner))  # [b, l, h, p] -> [b, l, d_inner]
+    return _output(y, z, p, c, xp=xp), conv_state, ssm_state
+
+
+def mixer_step(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array, ssm_state: Array, *,
+               xp: Namespace) -> tuple[Array, Array, Array]:
+    """One token through one layer: ``u [b, d_model]`` -> ``(out [b, d_model], conv_state, ssm_state)``."""
+    b, _ = u.shape
+    z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
+    conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
+    xBC, conv_state = conv_step(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp)
+    x, B, C = _split_xbc(silu(xBC, xp=xp), c, xp=xp)
+
+    cdtype = compute_dtype(xp, u.dtype)
+    A, D = _ssm_params(p, c, cdtype, xp=xp)
+    step = xp.astype(delta(dt, p["dt_bias"], True, c.dt_limit, xp=xp), cdtype)  # Δ [b, h]
+    x, B, C = (xp.astype(v, cdtype) for v in (x, B, C))
+    y, ssm_state = recurrence_step(ssm_state, x, step, A, heads_from_groups(B, c.nheads, xp=xp),
+                                   heads_from_groups(C, c.nheads, xp=xp), xp=xp)
+    y = xp.reshape(skip_and_gate(y, x, D, None, xp=xp), (b, c.d_inner))  # [b, h, p] -> [b, d_inner]
+    return _output(y, z, p, c, xp=xp), conv_state, ssm_state

@@ -1,0 +1,183 @@
+"""The Mamba-2 stack: pre-norm residual blocks then ``norm_f`` (MAMBA2_SPEC.md, "Block and stack").
+
+``forward`` runs a whole sequence with the chunked scan; ``step`` runs one token with the
+recurrence. Both return the per-layer ``Mamba2State`` (conv and SSM states), so a sequence can
+be split anywhere: ``forward`` on the second half from the first half's state equals the whole.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+from ._array import Array, Namespace, array_backend, compute_dtype, device, dtype_name, namespace
+from ._checks import Shapes, check_floating, check_same_device, check_same_dtype
+from .backends import to_backend
+from .config import Mamba2Config, default_config
+from .mixer import mixer, mixer_step
+from .norm import rms_norm
+from .params import Params, check_params, init_params
+
+
+class Mamba2State(NamedTuple):
+    """Per-layer inference state: ``conv[i] [b, conv_dim, d_conv]`` (x's dtype) and
+    ``ssm[i] [b, nheads, headdim, d_state]`` (compute dtype: float32, float64 for float64)."""
+
+    conv: tuple[Array, ...]
+    ssm: tuple[Array, ...]
+
+
+def empty_state(config: Mamba2Config, batch: int, like: Array) -> Mamba2State:
+    """Zero state for ``batch`` sequences, on ``like``'s backend and device, for x of ``like``'s dtype."""
+    xp = namespace(like=like)
+    c = config
+    conv = xp.zeros((batch, c.conv_dim, c.d_conv), dtype=like.dtype, device=device(like))
+    ssm = xp.zeros((batch, c.nheads, c.headdim, c.d_state), dtype=compute_dtype(xp, like.dtype),
+                   device=device(like))
+    return Mamba2State(conv=(conv,) * c.n_layer, ssm=(ssm,) * c.n_layer)
+
+
+def _check_state(state: Any, config: Mamba2Config, x: Array, shapes: Shapes, name: str, *,
+                 xp: Namespace) -> None:
+    if not isinstance(state, Mamba2State):
+        raise TypeError(f"{name}: expected a Mamba2State (from forward(..., return_state=True) or "
+                        f"empty_state), got {type(state).__name__}")
+    c = config
+    for kind, arrays, spec in (("conv", state.conv, ("b", c.conv_dim, c.d_conv)),
+                               ("ssm", state.ssm, ("b", c.nheads, c.headdim, c.d_state))):
+        if len(arrays) != c.n_layer:
+            raise ValueError(f"{name}.{kind}: expected {c.n_layer} layers (config.n_layer), got {len(arrays)}")
+        for i, a in enumerate(arrays):
+            label = f"{name}.{kind}[{i}]"
+            namespace(x=x, **{label: a})
+            check_floating(label, a, xp=xp)
+            shapes.check(label, a, spec)
+            check_same_device(label, a, "x", x)
+            want = x.dtype if kind == "conv" else compute_dtype(xp, x.dtype)
+            if a.dtype != want:
+                raise TypeError(f"{label} is {dtype_name(a.dtype)}, expected {dtype_name(want)} "
+                                f"for x of dtype {dtype_name(x.dtype)}")
+
+
+_CACHE: OrderedDict[tuple, tuple[Any, Params]] = OrderedDict()
+_CACHE_SIZE = 4
+
+
+def _cached(key: tuple, keep: Any, build: Any) -> Params:
+    """A small LRU: ``keep`` is held with the entry so the ids in ``key`` stay valid."""
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key][1]
+    value = build()
+    _CACHE[key] = (keep, value)
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return value
+
+
+def _resolve(x: Array, params: Params | None, config: Mamba2Config | None, backend: str | None,
+             device_: Any) -> tuple[Array, Params, Mamba2Config]:
+    """Moves x to ``backend``/``device_`` and builds (``params=None``) or converts params to match."""
+    if backend is not None or device_ is not None:
+        x = to_backend(x, backend or array_backend(x), device=device_)
+    namespace(x=x)
+    target, dev, dt = array_backend(x), device(x), dtype_name(x.dtype)
+    if params is None:
+        if config is None:
+            if getattr(x, "ndim", 0) != 3:
+                raise ValueError(f"x: expected shape [b, l, d_model], got {tuple(x.shape)}")
+            config = default_config(x.shape[-1])
+        params = _cached(("init", config, target, str(dev), dt), None,
+                         lambda: init_params(config, seed=0, backend=target, dtype=dt, device=dev))
+        return x, params, config
+    if not isinstance(config, Mamba2Config):
+        raise TypeError(f"config: expected the Mamba2Config the params were built for, got "
+                        f"{type(config).__name__}")
+    if backend is not None or device_ is not None:
+        key = ("convert", tuple(id(v) for v in params.values()), target, str(dev))
+        params = _cached(key, params, lambda: {k: to_backend(v, target, device=dev) for k, v in params.items()})
+    return x, params, config
+
+
+def _check_x(x: Array, params: Params, config: Mamba2Config, spec: tuple[str, ...], *,
+             xp: Namespace) -> Shapes:
+    check_floating("x", x, xp=xp)
+    shapes = Shapes(d_model=config.d_model)
+    shapes.check("x", x, spec)
+    first = next(iter(params))
+    namespace(x=x, **{f"params[{first!r}]": params[first]})
+    check_same_dtype(f"params[{first!r}]", params[first], "x", x)
+    check_same_device(f"params[{first!r}]", params[first], "x", x)
+    return shapes
+
+
+def _layer(params: Params, i: int) -> dict[str, Array]:
+    prefix = f"layers.{i}.mixer."
+    return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+
+
+def _blocks(x: Array, params: Params, config: Mamba2Config, state: Mamba2State | None, run: Any, *,
+            xp: Namespace) -> tuple[Array, Mamba2State]:
+    """Pre-norm residual blocks then norm_f; ``run`` is ``mixer`` or ``mixer_step``."""
+    c = config
+    res_dtype = compute_dtype(xp, x.dtype) if c.residual_in_fp32 else x.dtype
+    residual, hidden = None, x
+    convs, ssms = [], []
+    for i in range(c.n_layer):
+        residual = xp.astype(hidden, res_dtype) if residual is None else residual + xp.astype(hidden, res_dtype)
+        normed = rms_norm(residual, params[f"layers.{i}.norm.weight"], c.norm_eps, xp=xp)
+        conv_i = None if state is None else state.conv[i]
+        ssm_i = None if state is None else state.ssm[i]
+        hidden, conv_i, ssm_i = run(normed, _layer(params, i), c, conv_i, ssm_i, xp=xp)
+        convs.append(conv_i)
+        ssms.append(ssm_i)
+    out = rms_norm(residual + xp.astype(hidden, res_dtype), params["norm_f.weight"], c.norm_eps, xp=xp)
+    return out, Mamba2State(conv=tuple(convs), ssm=tuple(ssms))
+
+
+def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | None = None,
+            backend: str | None = None, device: Any = None, initial_state: Mamba2State | None = None,
+            return_state: bool = False) -> Array | tuple[Array, Mamba2State]:
+    """The Mamba-2 backbone over a sequence: ``x [b, l, d_model] -> [b, l, d_model]``.
+
+    Equal to transformers' ``Mamba2Model(inputs_embeds=x).last_hidden_state`` for the same weights.
+
+    Args:
+        x: input embeddings ``[b, l, d_model]``, any floating dtype; params must share it.
+        params: a parameter dict (:func:`init_params`, :func:`load_params`); ``None`` builds the
+            default model for ``config`` (or, without config, :func:`default_config` of x's width)
+            with seed 0, cached.
+        config: the :class:`Mamba2Config` the params belong to (required with params).
+        backend: ``"numpy" | "torch" | "cupy" | "jax" | "array_api_strict"`` to convert x and the
+            params to (converted params are cached); ``None`` keeps x's own library.
+        device: target device (``"cpu"``, ``"cuda:0"``, ...), with or without ``backend``.
+        initial_state: a :class:`Mamba2State` to continue from (e.g. the first half's).
+        return_state: also return the state after the last token.
+
+    Returns:
+        ``y [b, l, d_model]`` in x's dtype, or ``(y, state)``.
+    """
+    x, params, config = _resolve(x, params, config, backend, device)
+    xp = check_params(params, config)
+    shapes = _check_x(x, params, config, ("b", "l", "d_model"), xp=xp)
+    if initial_state is not None:
+        _check_state(initial_state, config, x, shapes, "initial_state", xp=xp)
+    y, state = _blocks(x, params, config, initial_state, mixer, xp=xp)
+    return (y, state) if return_state else y
+
+
+def step(x_t: Array, state: Mamba2State | None, params: Params, *,
+         config: Mamba2Config) -> tuple[Array, Mamba2State]:
+    """One token through the stack: ``x_t [b, d_model]`` -> ``(y_t [b, d_model], new_state)``.
+
+    ``state`` comes from ``forward(..., return_state=True)``, a previous ``step`` or
+    :func:`empty_state` (``None`` means zeros). The input state is not modified.
+    """
+    if not isinstance(config, Mamba2Config):
+        raise TypeError(f"config: expected a Mamba2Config, got {type(config).__name__}")
+    xp = check_params(params, config)
+    shapes = _check_x(x_t, params, config, ("b", "d_model"), xp=xp)
+    if state is None:
+        state = empty_state(config, x_t.shape[0], x_t)
+    _check_state(state, config, x_t, shapes, "state", xp=xp)
+    return _blocks(x_t, params, config, state, mixer_step, xp=xp)

@@ -1,0 +1,25 @@
+"""RMSNorm and Mamba-2's grouped gated RMSNorm (MAMBA2_SPEC.md step 8), computed in float32 at least."""
+
+from __future__ import annotations
+
+from ._array import Array, Namespace, compute_dtype, silu
+
+
+def rms_norm(x: Array, weight: Array, eps: float, *, xp: Namespace) -> Array:
+    """``x / sqrt(mean(x², -1) + eps) * weight`` over the last axis; returns weight's dtype."""
+    dtype = x.dtype
+    x = xp.astype(x, compute_dtype(xp, dtype))
+    x = x / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return weight * xp.astype(x, weight.dtype)
+
+
+def gated_rms_norm(y: Array, z: Array, weight: Array, groups: int, eps: float, *, xp: Namespace) -> Array:
+    """``rmsnorm(y · silu(z))`` over each of ``groups`` equal slices of the last axis
+    (norm_before_gate=False, as mamba_ssm's Mamba2). ``y, z [..., d]``, weight ``[d]``."""
+    cdtype = compute_dtype(xp, weight.dtype)
+    v = xp.astype(y, cdtype) * silu(xp.astype(z, cdtype), xp=xp)  # [..., d]
+    *lead, d = v.shape
+    v = xp.reshape(v, (*lead, groups, d // groups))  # [..., g, d/g]
+    v = v / xp.sqrt(xp.mean(v * v, axis=-1, keepdims=True) + eps)
+    v = xp.reshape(v, (*lead, d))  # [..., d]
+    return weight * xp.astype(v, weight.dtype)

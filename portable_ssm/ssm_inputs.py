@@ -1,0 +1,115 @@
+"""What the scans share: the shape legend, validation at the door, the D skip and the z gate.
+
+Shape legend (MAMBA2_SPEC.md):
+    b batch, l sequence length, h heads, p headdim, g groups (head i reads group i // (h/g)),
+    n state size, Q chunk size, c number of chunks.
+
+Dtype rule: ``x``, ``B``, ``C`` and ``z`` share one floating dtype (the storage dtype; mixing
+float32 and float64 there is a TypeError). The SSM parameters ``dt``, ``A``, ``D`` and ``dt_bias``
+may be any floating dtype, as mamba_ssm keeps them in float32 for bf16 models. All the math runs
+in the compute dtype: float64 for float64 inputs, float32 otherwise (bf16/fp16 too). States
+(``initial_states`` and the returned ones) are in the compute dtype; ``y`` comes back in x's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._array import Array, Namespace, compute_dtype, dtype_name, namespace, silu
+from ._checks import (
+    Shapes,
+    check_dt_limit,
+    check_floating,
+    check_positive_int,
+    check_same_device,
+    check_same_dtype,
+)
+from .discretize import delta, validate_dt
+
+
+@dataclass(frozen=True)
+class ScanInputs:
+    """Validated scan arguments, cast to the compute dtype; ``dt`` already holds Δ."""
+
+    xp: Namespace
+    x: Array  # [b, l, h, p] (or [b, h, p] for a step)
+    dt: Array  # Δ [b, l, h]
+    A: Array  # [h]
+    B: Array  # [b, l, g, n]
+    C: Array  # [b, l, g, n]
+    D: Array | None  # [h] or [h, p]
+    z: Array | None  # like x
+    states: Array | None  # [b, h, p, n]
+    out_dtype: Any
+
+
+def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: Array | None,
+                      z: Array | None, dt_bias: Array | None, dt_softplus: bool, dt_limit: Any,
+                      states: Array | None, states_name: str, step: bool) -> ScanInputs:
+    """Validates the arguments of ``ssd_scan``/``selective_scan`` (or ``ssd_step`` when ``step``).
+
+    Raises ValueError for shapes (naming the argument, the legend's letters and both sizes),
+    TypeError for non-floating or mixed storage dtypes and for arrays from two backends.
+    """
+    xp = namespace(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **{states_name: states})
+    dt_limit = check_dt_limit(dt_limit)
+    seq = () if step else ("l",)
+    shapes = Shapes()
+    check_floating("x", x, xp=xp)
+    shapes.check("x", x, ("b", *seq, "h", "p"))
+    validate_dt(shapes, dt, A, dt_bias, ("b", *seq, "h"), xp=xp)
+    for name, value in (("B", B), ("C", C)):
+        check_floating(name, value, xp=xp)
+        check_same_dtype(name, value, "x", x)
+        shapes.check(name, value, ("b", *seq, "g", "n"))
+    if shapes["h"] % shapes["g"] != 0:
+        raise ValueError(f"B: the number of heads h={shapes['h']} (from x) must be a multiple of the "
+                         f"number of groups g={shapes['g']} (from B)")
+    if D is not None:
+        check_floating("D", D, xp=xp)
+        shapes.check("D", D, ("h",) if D.ndim == 1 else ("h", "p"))
+    if z is not None:
+        check_floating("z", z, xp=xp)
+        check_same_dtype("z", z, "x", x)
+        shapes.check("z", z, ("b", *seq, "h", "p"))
+    cdtype = compute_dtype(xp, x.dtype)
+    if states is not None:
+        check_floating(states_name, states, xp=xp)
+        shapes.check(states_name, states, ("b", "h", "p", "n"))
+        if states.dtype != cdtype:
+            raise TypeError(f"{states_name}: expected the compute dtype {dtype_name(cdtype)} for "
+                            f"x of dtype {dtype_name(x.dtype)}, got {dtype_name(states.dtype)}")
+    for name, value in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
+                        ("dt_bias", dt_bias), (states_name, states)):
+        if value is not None:
+            check_same_device(name, value, "x", x)
+
+    def cast(value: Array | None) -> Array | None:
+        return None if value is None else xp.astype(value, cdtype)
+
+    return ScanInputs(xp=xp, x=cast(x), dt=cast(delta(dt, dt_bias, dt_softplus, dt_limit, xp=xp)),
+                      A=cast(A), B=cast(B), C=cast(C), D=cast(D), z=cast(z), states=states,
+                      out_dtype=x.dtype)
+
+
+def check_chunk_size(chunk_size: Any) -> None:
+    """ValueError unless ``chunk_size`` is None or a positive int."""
+    check_positive_int("chunk_size", chunk_size, allow_none=True)
+
+
+def skip_and_gate(y: Array, x: Array, D: Array | None, z: Array | None, *, xp: Namespace) -> Array:
+    """``(y + D*x) * silu(z)`` over ``[..., h, p]``; D is ``[h]`` or ``[h, p]``."""
+    if D is not None:
+        y = y + x * (D[:, None] if D.ndim == 1 else D)  # [..., h, p]
+    if z is not None:
+        y = y * silu(z, xp=xp)
+    return y
+
+
+def heads_from_groups(v: Array, heads: int, *, xp: Namespace) -> Array:
+    """``[..., g, n] -> [..., h, n]``: head i reads group i // (h/g)."""
+    *lead, g, n = v.shape
+    v = xp.broadcast_to(v[..., None, :], (*lead, g, heads // g, n))  # [..., g, h/g, n]
+    return xp.reshape(v, (*lead, heads, n))  # [..., h, n]
+
