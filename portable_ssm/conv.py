@@ -33,12 +33,12 @@ def causal_conv1d_ref(x: Array, weight: Array, bias: Array | None, state: Array 
     else:
         history = xp.permute_dims(xp.astype(state[:, :, 1:], x.dtype), (0, 2, 1))  # [b, k-1, d]
     padded = xp.concat([history, x], axis=1)  # [b, k-1+l, d]
-    y = padded[:, 0:l] * weight[:, 0]
+    y = padded[:, 0:l, :] * weight[:, 0]
     for j in range(1, k):
-        y = y + padded[:, j:j + l] * weight[:, j]  # [b, l, d]
+        y = y + padded[:, j:j + l, :] * weight[:, j]  # [b, l, d]
     if bias is not None:
         y = y + bias
-    new_state = xp.permute_dims(padded[:, l - 1:], (0, 2, 1))  # last k inputs, [b, d, k]
+    new_state = xp.permute_dims(padded[:, l - 1:, :], (0, 2, 1))  # last k inputs, [b, d, k]
     return y, new_state
 
 

@@ -50,7 +50,8 @@ def selective_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_s
         state = xp.zeros((b, h, p, Bh.shape[-1]), dtype=s.x.dtype, device=device(s.x))
     ys = []
     for t in range(l):
-        y_t, state = recurrence_step(state, s.x[:, t], s.dt[:, t], s.A, Bh[:, t], Ch[:, t], xp=xp)
+        y_t, state = recurrence_step(state, s.x[:, t, ...], s.dt[:, t, ...], s.A, Bh[:, t, ...],
+                                     Ch[:, t, ...], xp=xp)
         ys.append(y_t)
     y = xp.stack(ys, axis=1) if ys else xp.zeros_like(s.x)  # [b, l, h, p]
     y = xp.astype(skip_and_gate(y, s.x, s.D, s.z, xp=xp), s.out_dtype)

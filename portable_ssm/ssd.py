@@ -81,8 +81,8 @@ def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size
     outputs = []
     for start in range(0, l, step):
         stop = min(start + step, l)
-        y, state = _segment(x[:, start:stop], dt[:, start:stop], A, B[:, start:stop],
-                            C[:, start:stop], Q, state, xp=xp)
+        y, state = _segment(x[:, start:stop, ...], dt[:, start:stop, ...], A, B[:, start:stop, ...],
+                            C[:, start:stop, ...], Q, state, xp=xp)
         outputs.append(y)
     y = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=1)  # [b, l, h, p]
     return y, state
@@ -119,7 +119,7 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     causal = idx[:, None] >= idx[None, :]  # [Q, Q]
     segsum = xp.minimum(acs[..., :, None] - acs[..., None, :], 0.0)  # [b, c, h, Q, Q]
     L = xp.exp(xp.where(causal, segsum, -math.inf))  # [b, c, h, Q, Q]
-    M = xp.reshape(CB[:, :, :, None] * xp.reshape(L, (b, c, g, r, Q, Q)), (b, c, h, Q, Q))
+    M = xp.reshape(CB[:, :, :, None, ...] * xp.reshape(L, (b, c, g, r, Q, Q)), (b, c, h, Q, Q))
     Y_diag = xp.permute_dims(xp.matmul(M, Xh), (0, 1, 3, 2, 4))  # [b, c, Q, h, p]
 
     # 2. chunk states: what each chunk adds to the state, decayed to its end
@@ -133,7 +133,7 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     entering = []
     for i in range(c):
         entering.append(state)
-        state = decay_chunk[:, i, :, None, None] * state + S[:, i]  # [b, h, p, n]
+        state = decay_chunk[:, i, :, None, None] * state + S[:, i, ...]  # [b, h, p, n]
     S_in = xp.stack(entering, axis=1)  # [b, c, h, p, n]
 
     # 4. state -> output: the entering state read by C, decayed to each position
@@ -142,5 +142,5 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     Y_off = xp.reshape(xp.permute_dims(Y_off, (0, 1, 3, 2, 4)), (b, c, Q, h, p))  # [b, c, Q, h, p]
     Y_off = Y_off * xp.permute_dims(xp.exp(acs), (0, 1, 3, 2))[..., None]
 
-    y = xp.reshape(Y_diag + Y_off, (b, c * Q, h, p))[:, :l]  # [b, l, h, p]
+    y = xp.reshape(Y_diag + Y_off, (b, c * Q, h, p))[:, :l, ...]  # [b, l, h, p]
     return y, state
