@@ -64,7 +64,8 @@ def check_same_dtype(name: str, x: Array, ref_name: str, ref: Array) -> None:
     """TypeError unless ``x`` has the dtype of ``ref`` (no silent float32/float64 mixing)."""
     if x.dtype != ref.dtype:
         raise TypeError(f"{name} is {dtype_name(x.dtype)} but {ref_name} is {dtype_name(ref.dtype)}; "
-                        f"cast one of them explicitly (mixed float dtypes are not promoted silently)")
+                        f"cast one of them explicitly (xp.astype; portable_ssm.cast_params for a parameter dict): "
+                        f"mixed float dtypes are not promoted silently")
 
 
 def check_same_device(name: str, x: Array, ref_name: str, ref: Array) -> None:

@@ -22,8 +22,7 @@ def delta(dt: Array, dt_bias: Array | None, dt_softplus: bool, dt_limit: tuple[f
     if dt_softplus:
         dt = softplus(dt, xp=xp)
     low, high = dt_limit
-    if low > 0.0:
-        dt = xp.maximum(dt, low)
+    dt = xp.maximum(dt, low)  # Δ >= 0 always (the default limit is (0, inf))
     if math.isfinite(high):
         dt = xp.minimum(dt, high)
     return dt

@@ -64,6 +64,9 @@ def selected_rows() -> tuple[str, ...]:
     return rows
 
 
+_JITTED: dict[tuple, Any] = {}
+
+
 @dataclass
 class Backend:
     """One matrix row: the namespace plus conversion helpers for tests."""
@@ -86,6 +89,23 @@ class Backend:
         from portable_ssm import to_backend
 
         return to_backend(np.asarray(host), self.name, device=self.device, dtype=dtype)
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``; on jax under ``jax.jit`` (array-valued arguments traced, the rest
+        static), which proves the code traces with static shapes and is far quicker than eager jax."""
+        if self.name != "jax":
+            return fn(*args, **kwargs)
+        import jax
+
+        def has_array(v: Any) -> bool:
+            return any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(v))
+
+        dynamic = {k: v for k, v in kwargs.items() if has_array(v)}
+        static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in dynamic))
+        key = (fn, static)
+        if key not in _JITTED:
+            _JITTED[key] = jax.jit(lambda a, kw: fn(*a, **kw, **dict(static)))
+        return _JITTED[key](args, dynamic)
 
     def numpy(self, a: Any) -> np.ndarray:
         from portable_ssm.backends import load

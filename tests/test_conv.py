@@ -1,0 +1,74 @@
+"""The causal depthwise conv: equals a direct convolution, carries its window, native path agrees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+from portable_ssm.conv import causal_conv1d, causal_conv1d_ref, conv_step
+
+
+def direct(x: np.ndarray, w: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """y[t, c] = bias[c] + Σ_j w[c, j] · x[t - (k-1) + j, c], zeros before the start."""
+    b, l, d = x.shape
+    k = w.shape[1]
+    y = np.broadcast_to(bias, (b, l, d)).copy()
+    for t in range(l):
+        for j in range(k):
+            s = t - (k - 1) + j
+            if s >= 0:
+                y[:, t] += w[:, j] * x[:, s]
+    return y
+
+
+def data(l: int, d: int = 5, k: int = 4, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((2, l, d)), rng.standard_normal((d, k)), rng.standard_normal(d)
+
+
+@pytest.mark.parametrize("l,k", [(1, 4), (3, 4), (10, 4), (9, 2), (6, 1)])
+def test_reference_conv_equals_direct_convolution(xp, l, k):
+    x, w, bias = data(l, k=k)
+    y, state = causal_conv1d_ref(*(xp.asarray_from(v, "float64") for v in (x, w, bias)), None, xp=xp.namespace)
+    assert_close(xp, y, direct(x, w, bias), rtol=1e-14, dtype="float64", shape=x.shape)
+    padded = np.concatenate([np.zeros((2, k - 1, 5)), x], axis=1)
+    assert_close(xp, state, padded[:, -k:].transpose(0, 2, 1), rtol=0, shape=(2, 5, k))
+
+
+def test_conv_state_carries_the_window_across_a_split(xp):
+    x, w, bias = (xp.asarray_from(v, "float64") for v in data(13))
+    whole, end = causal_conv1d(x, w, bias, None, xp=xp.namespace)
+    first, mid = causal_conv1d(x[:, :5, :], w, bias, None, xp=xp.namespace)
+    second, end2 = causal_conv1d(x[:, 5:, :], w, bias, mid, xp=xp.namespace)
+    assert_close(xp, second, xp.numpy(whole)[:, 5:], rtol=1e-14)
+    assert_close(xp, end2, xp.numpy(end), rtol=0)
+
+
+def test_conv_step_loop_equals_the_sequence_conv(xp):
+    x, w, bias = (xp.asarray_from(v, "float64") for v in data(7))
+    expected, end = causal_conv1d(x, w, bias, None, xp=xp.namespace)
+    state = xp.asarray_from(np.zeros((2, 5, 4)), "float64")
+    ys = []
+    for t in range(7):
+        y_t, state = conv_step(x[:, t, :], w, bias, state, xp=xp.namespace)
+        ys.append(xp.numpy(y_t))
+    np.testing.assert_allclose(np.stack(ys, axis=1), xp.numpy(expected), rtol=1e-14)
+    assert_close(xp, state, xp.numpy(end), rtol=0)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_torch_native_conv_agrees_with_the_reference(with_state, dtype):
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as txp
+    from portable_ssm.backends import fast_op
+
+    native = fast_op(txp, "causal_conv1d")
+    assert native is not None
+    x, w, bias = (torch.from_numpy(v).to(getattr(torch, dtype)) for v in data(11, d=7, k=4, seed=3))
+    state = torch.randn(2, 7, 4, dtype=getattr(torch, dtype)) if with_state else None
+    y_native, s_native = native(x, w, bias, state)
+    y_ref, s_ref = causal_conv1d_ref(x, w, bias, state, xp=txp)
+    torch.testing.assert_close(y_native, y_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s_native, s_ref, rtol=0, atol=0)

@@ -1,0 +1,52 @@
+"""Packaging and the "written once" rule: no framework on import, no framework imports in the core."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import portable_ssm
+
+PACKAGE = pathlib.Path(portable_ssm.__file__).parent
+FRAMEWORKS = {"numpy", "torch", "cupy", "jax", "jaxlib", "array_api_strict"}
+#: Tooling outside the array-API core; these may import frameworks lazily, inside functions.
+TOOLING = {"bench.py", "cli.py", "__main__.py", "pretrained.py"}
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_core_modules_import_no_array_framework():
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.name in TOOLING:
+            continue
+        assert not imported_modules(path) & FRAMEWORKS, f"{path.name} imports {imported_modules(path) & FRAMEWORKS}"
+
+
+def test_only_one_core_module_touches_array_api_compat():
+    users = {p.name for p in PACKAGE.glob("*.py") if "array_api_compat" in imported_modules(p)}
+    assert users == {"_array.py"}
+
+
+def test_import_portable_ssm_loads_no_framework():
+    code = ("import sys, portable_ssm; "
+            f"print(sorted(m for m in {sorted(FRAMEWORKS)!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "[]"
+
+
+def test_backends_install_under_portable_ssm_not_at_top_level():
+    code = ("import importlib.util, portable_ssm.backends as b; "
+            "print(b.__name__, importlib.util.find_spec('backends'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.split() == ["portable_ssm.backends", "None"]
