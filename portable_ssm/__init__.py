@@ -9,10 +9,12 @@ Public API:
     Mamba2Config, init_params, param_shapes  the model's configuration and parameters
     forward, step, Mamba2State, empty_state  the full stack over a sequence / one token
     to_backend, cast_params                  moving arrays between libraries, devices, dtypes
+    collate, unpack, to_padded, Batch        padded or packed batches of variable-length sequences
 """
 
 from .backends import to_backend
 from .config import Mamba2Config, default_config
+from .data import Batch, collate, to_padded, unpack
 from .discretize import discretize
 from .model import Mamba2State, empty_state, forward, step
 from .params import cast_params, check_params, init_params, param_shapes
@@ -22,7 +24,7 @@ from .ssd import choose_chunk_size, ssd_scan
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mamba2Config", "Mamba2State", "cast_params", "check_params", "choose_chunk_size", "default_config",
-    "discretize", "empty_state", "forward", "init_params", "param_shapes", "selective_scan", "ssd_scan",
-    "ssd_step", "step", "to_backend",
+    "Batch", "Mamba2Config", "Mamba2State", "cast_params", "check_params", "choose_chunk_size", "collate",
+    "default_config", "discretize", "empty_state", "forward", "init_params", "param_shapes", "selective_scan",
+    "ssd_scan", "ssd_step", "step", "to_backend", "to_padded", "unpack",
 ]

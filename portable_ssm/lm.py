@@ -1,7 +1,8 @@
 """The language-model ends of the stack: token embedding in front, (tied) vocabulary head behind.
 
 ``logits`` maps token ids ``[b, l]`` to ``[b, l, padded_vocab]`` through ``embedding.weight``,
-the backbone and ``lm_head.weight`` (``embedding.weight`` itself when ``tie_embeddings``).
+the backbone and ``lm_head.weight`` (``embedding.weight`` itself when ``tie_embeddings``);
+``seq_idx`` packs several token sequences into one row, as in :func:`portable_ssm.forward`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Any
 from ._array import Array, Namespace, namespace
 from ._checks import Shapes
 from .config import Mamba2Config
-from .model import Mamba2State, _blocks, _check_state
-from .mixer import _linear, mixer, mixer_step
+from .mixer import _linear, mixer_step
+from .model import Mamba2State, _blocks, _check_state, _sequence_mixer
 from .params import Params, check_params
 
 
@@ -38,25 +39,30 @@ def embed(ids: Array, params: Params, *, xp: Namespace) -> Array:
     return xp.reshape(flat, (*ids.shape, table.shape[1]))  # [..., d_model]
 
 
-def logits(input_ids: Array, params: Params, *, config: Mamba2Config, initial_state: Mamba2State | None = None,
-           return_state: bool = False) -> Array | tuple[Array, Mamba2State]:
+def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
+           initial_state: Mamba2State | None = None, return_state: bool = False,
+           seq_idx: Array | None = None) -> Array | tuple[Array, Mamba2State]:
     """Next-token logits ``[b, l, padded_vocab]`` for ``input_ids [b, l]`` (integers).
 
     With ``initial_state`` the ids continue an earlier sequence; ``return_state`` also returns the
-    state after the last token, for :func:`logits_step`.
+    state after the last token, for :func:`logits_step`. ``seq_idx [b, l]`` (integer ids,
+    non-decreasing along l) marks packed sequences: state and conv window reset wherever it
+    changes; initial_state feeds each row's first sequence, the returned state is its last one's.
     """
     xp = check_params(params, config)
     namespace(input_ids=input_ids, params=params["embedding.weight"])
     shapes = _check_ids(input_ids, config, ("b", "l"), xp=xp)
+    run = _sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp)
     x = embed(input_ids, params, xp=xp)  # [b, l, d_model]
     if initial_state is not None:
         _check_state(initial_state, config, x, shapes, "initial_state", xp=xp)
-    hidden, state = _blocks(x, params, config, initial_state, mixer, xp=xp)
+    hidden, state = _blocks(x, params, config, initial_state, run, xp=xp)
     out = _linear(hidden, head_weight(params, config), None, xp=xp)  # [b, l, vocab]
     return (out, state) if return_state else out
 
 
-def logits_step(token: Array, state: Mamba2State, params: Params, *, config: Mamba2Config) -> tuple[Array, Any]:
+def logits_step(token: Array, state: Mamba2State, params: Params, *,
+                config: Mamba2Config) -> tuple[Array, Any]:
     """One decode step: ``token [b]`` (integers) -> ``(logits [b, padded_vocab], new_state)``."""
     xp = check_params(params, config)
     namespace(token=token, params=params["embedding.weight"])

@@ -1,7 +1,9 @@
 """The Mamba-2 mixer (MAMBA2_SPEC.md steps 1 to 9): projections, conv, SSM, gated norm.
 
 The layer reads as three phases: conv (``xBC``), ssm (chunked scan or one recurrence step),
-gated norm and out projection. Packed in_proj output order: ``[z, x, B, C, dt]``.
+gated norm and out projection. Packed in_proj output order: ``[z, x, B, C, dt]``. With
+``seq_idx`` (several sequences packed in one row) the conv and the scan both restart at every
+sequence boundary.
 """
 
 from __future__ import annotations
@@ -55,14 +57,16 @@ def _output(y: Array, z: Array, p: dict[str, Array], c: Mamba2Config, *, xp: Nam
 
 
 def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | None,
-          ssm_state: Array | None, *, xp: Namespace) -> tuple[Array, Array, Array]:
+          ssm_state: Array | None, *, xp: Namespace,
+          seq_idx: Array | None = None) -> tuple[Array, Array, Array]:
     """One Mamba-2 layer over a sequence: ``u [b, l, d_model]`` with layer params ``p`` (names
     relative to ``mixer.``). Returns ``(out [b, l, d_model], conv_state [b, conv_dim, k],
-    ssm_state [b, h, p, n])``."""
+    ssm_state [b, h, p, n])``. ``seq_idx [b, l]``: run ids of packed sequences (the incoming
+    states feed each row's first sequence, the returned ones are its last sequence's), or None."""
     b, l, _ = u.shape
     z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
-    xBC, conv_state = causal_conv1d(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp)
+    xBC, conv_state = causal_conv1d(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp, seq_idx=seq_idx)
     x, B, C = _split_xbc(silu(xBC, xp=xp), c, xp=xp)
 
     cdtype = compute_dtype(xp, u.dtype)
@@ -70,7 +74,7 @@ def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | No
     step = delta(dt, p["dt_bias"], True, c.dt_limit, xp=xp)  # Δ [b, l, h]
     x, B, C = (xp.astype(v, cdtype) for v in (x, B, C))
     y, ssm_state = ssd_chunked(x, xp.astype(step, cdtype), A, B, C, chunk_size=None,
-                               initial_states=ssm_state, xp=xp)
+                               initial_states=ssm_state, seq_idx=seq_idx, xp=xp)
     y = xp.reshape(skip_and_gate(y, x, D, None, xp=xp), (b, l, c.d_inner))  # [b, l, h, p] -> [b, l, d_inner]
     return _output(y, z, p, c, xp=xp), conv_state, ssm_state
 

@@ -3,11 +3,14 @@
 ``forward`` runs a whole sequence with the chunked scan; ``step`` runs one token with the
 recurrence. Both return the per-layer ``Mamba2State`` (conv and SSM states), so a sequence can
 be split anywhere: ``forward`` on the second half from the first half's state equals the whole.
+With ``seq_idx`` one row holds several sequences back to back (see ``collate(mode="pack")``), each
+computed as if alone.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import partial
 from typing import Any, NamedTuple
 
 from ._array import Array, Namespace, array_backend, compute_dtype, device, dtype_name, namespace
@@ -17,6 +20,7 @@ from .config import Mamba2Config, default_config
 from .mixer import mixer, mixer_step
 from .norm import rms_norm
 from .params import Params, check_params, init_params
+from .ssm_inputs import check_seq_idx, sequence_runs
 
 
 class Mamba2State(NamedTuple):
@@ -46,7 +50,8 @@ def _check_state(state: Any, config: Mamba2Config, x: Array, shapes: Shapes, nam
     for kind, arrays, spec in (("conv", state.conv, ("b", c.conv_dim, c.d_conv)),
                                ("ssm", state.ssm, ("b", c.nheads, c.headdim, c.d_state))):
         if len(arrays) != c.n_layer:
-            raise ValueError(f"{name}.{kind}: expected {c.n_layer} layers (config.n_layer), got {len(arrays)}")
+            raise ValueError(f"{name}.{kind}: expected {c.n_layer} layers (config.n_layer), "
+                             f"got {len(arrays)}")
         for i, a in enumerate(arrays):
             label = f"{name}.{kind}[{i}]"
             namespace(x=x, **{label: a})
@@ -76,12 +81,16 @@ def _cached(key: tuple, keep: Any, build: Any) -> Params:
 
 
 def _resolve(x: Array, params: Params | None, config: Mamba2Config | None, backend: str | None,
-             device_: Any) -> tuple[Array, Params, Mamba2Config]:
-    """Moves x to ``backend``/``device_`` and builds (``params=None``) or converts params to match."""
+             device_: Any, seq_idx: Array | None) -> tuple[Array, Params, Mamba2Config, Array | None]:
+    """Moves x (and seq_idx) to ``backend``/``device_`` and builds (``params=None``) or converts
+    params to match."""
     if backend is not None or device_ is not None:
         x = to_backend(x, backend or array_backend(x), device=device_)
     namespace(x=x)
     target, dev, dt = array_backend(x), device(x), dtype_name(x.dtype)
+    if seq_idx is not None and (backend is not None or device_ is not None):
+        namespace(seq_idx=seq_idx)
+        seq_idx = to_backend(seq_idx, target, device=dev)
     if params is None:
         if config is None:
             if getattr(x, "ndim", 0) != 3:
@@ -89,14 +98,15 @@ def _resolve(x: Array, params: Params | None, config: Mamba2Config | None, backe
             config = default_config(x.shape[-1])
         params = _cached(("init", config, target, str(dev), dt), None,
                          lambda: init_params(config, seed=0, backend=target, dtype=dt, device=dev))
-        return x, params, config
+        return x, params, config, seq_idx
     if not isinstance(config, Mamba2Config):
         raise TypeError(f"config: expected the Mamba2Config the params were built for, got "
                         f"{type(config).__name__}")
     if backend is not None or device_ is not None:
         key = ("convert", tuple(id(v) for v in params.values()), target, str(dev))
-        params = _cached(key, params, lambda: {k: to_backend(v, target, device=dev) for k, v in params.items()})
-    return x, params, config
+        params = _cached(key, params, lambda: {k: to_backend(v, target, device=dev)
+                                               for k, v in params.items()})
+    return x, params, config, seq_idx
 
 
 def _check_x(x: Array, params: Params, config: Mamba2Config, spec: tuple[str, ...], *,
@@ -109,6 +119,16 @@ def _check_x(x: Array, params: Params, config: Mamba2Config, spec: tuple[str, ..
     check_same_dtype(f"params[{first!r}]", params[first], "x", x)
     check_same_device(f"params[{first!r}]", params[first], "x", x)
     return shapes
+
+
+def _sequence_mixer(seq_idx: Array | None, shapes: Shapes, ref_name: str, ref: Array, *, xp: Namespace,
+                    layer: Any = mixer) -> Any:
+    """The layer function for :func:`_blocks`: ``layer`` (``mixer`` or a wrapper taking its
+    arguments), given the run ids of ``seq_idx [b, l]`` once it is checked against ``ref``."""
+    if seq_idx is None:
+        return layer
+    check_seq_idx(seq_idx, shapes, ref_name, ref, xp=xp)
+    return partial(layer, seq_idx=sequence_runs(seq_idx, xp=xp))
 
 
 def _layer(params: Params, i: int) -> dict[str, Array]:
@@ -124,7 +144,8 @@ def _blocks(x: Array, params: Params, config: Mamba2Config, state: Mamba2State |
     residual, hidden = None, x
     convs, ssms = [], []
     for i in range(c.n_layer):
-        residual = xp.astype(hidden, res_dtype) if residual is None else residual + xp.astype(hidden, res_dtype)
+        added = xp.astype(hidden, res_dtype)
+        residual = added if residual is None else residual + added
         normed = rms_norm(residual, params[f"layers.{i}.norm.weight"], c.norm_eps, xp=xp)
         conv_i = None if state is None else state.conv[i]
         ssm_i = None if state is None else state.ssm[i]
@@ -137,7 +158,7 @@ def _blocks(x: Array, params: Params, config: Mamba2Config, state: Mamba2State |
 
 def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | None = None,
             backend: str | None = None, device: Any = None, initial_state: Mamba2State | None = None,
-            return_state: bool = False) -> Array | tuple[Array, Mamba2State]:
+            return_state: bool = False, seq_idx: Array | None = None) -> Array | tuple[Array, Mamba2State]:
     """The Mamba-2 backbone over a sequence: ``x [b, l, d_model] -> [b, l, d_model]``.
 
     Equal to transformers' ``Mamba2Model(inputs_embeds=x).last_hidden_state`` for the same weights.
@@ -148,21 +169,27 @@ def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | No
             default model for ``config`` (or, without config, :func:`default_config` of x's width)
             with seed 0, cached.
         config: the :class:`Mamba2Config` the params belong to (required with params).
-        backend: ``"numpy" | "torch" | "cupy" | "jax" | "array_api_strict"`` to convert x and the
-            params to (converted params are cached); ``None`` keeps x's own library.
+        backend: ``"numpy" | "torch" | "cupy" | "jax" | "array_api_strict"`` to convert x, the
+            params and seq_idx to (converted params are cached); ``None`` keeps x's own library.
         device: target device (``"cpu"``, ``"cuda:0"``, ...), with or without ``backend``.
-        initial_state: a :class:`Mamba2State` to continue from (e.g. the first half's).
-        return_state: also return the state after the last token.
+        initial_state: a :class:`Mamba2State` to continue from (e.g. the first half's); with
+            ``seq_idx`` it feeds each row's first sequence only.
+        return_state: also return the state after the last token (with ``seq_idx``: the state
+            of each row's last sequence, ready for :func:`step` to continue it).
+        seq_idx: optional ``[b, l]`` integer sequence ids, non-decreasing along l (mamba_ssm's
+            packed rows): the conv window and the SSM state reset wherever the id changes, so a
+            packed row gives what each of its sequences gives alone.
 
     Returns:
         ``y [b, l, d_model]`` in x's dtype, or ``(y, state)``.
     """
-    x, params, config = _resolve(x, params, config, backend, device)
+    x, params, config, seq_idx = _resolve(x, params, config, backend, device, seq_idx)
     xp = check_params(params, config)
     shapes = _check_x(x, params, config, ("b", "l", "d_model"), xp=xp)
+    run = _sequence_mixer(seq_idx, shapes, "x", x, xp=xp)
     if initial_state is not None:
         _check_state(initial_state, config, x, shapes, "initial_state", xp=xp)
-    y, state = _blocks(x, params, config, initial_state, mixer, xp=xp)
+    y, state = _blocks(x, params, config, initial_state, run, xp=xp)
     return (y, state) if return_state else y
 
 

@@ -5,7 +5,8 @@ Per head, with state ``H [p, n]`` (MAMBA2_SPEC.md step 7)::
     H_t = exp(Δ_t·A) · H_{t-1} + Δ_t · outer(x_t, B_t)
     y_t = H_t @ C_t + D · x_t
 
-The state is multiplied by C on its right (``[p, n] @ [n]``); A is one scalar per head.
+The state is multiplied by C on its right (``[p, n] @ [n]``); A is one scalar per head. With
+``seq_idx`` the state restarts from zero at the first step of every new sequence.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 
 from ._array import Array, Namespace, device
-from .ssm_inputs import check_chunk_size, check_scan_inputs, heads_from_groups, skip_and_gate
+from .ssm_inputs import check_chunk_size, check_scan_inputs, heads_from_groups, skip_and_gate, within
 
 
 def recurrence_step(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, *,
@@ -30,17 +31,19 @@ def recurrence_step(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Ar
 def selective_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: int | None = None,
                    D: Array | None = None, z: Array | None = None, dt_bias: Array | None = None,
                    dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
-                   initial_states: Array | None = None,
-                   return_final_states: bool = False) -> Array | tuple[Array, Array]:
+                   initial_states: Array | None = None, return_final_states: bool = False,
+                   seq_idx: Array | None = None) -> Array | tuple[Array, Array]:
     """The plain sequential recurrence, one step at a time: the reference ``ssd_scan`` must equal.
 
     Takes exactly :func:`portable_ssm.ssd_scan`'s arguments (``chunk_size`` is validated and
     otherwise ignored) and returns ``y [b, l, h, p]`` or ``(y, final_states [b, h, p, n])``.
+    With ``seq_idx [b, l]`` the state is zeroed wherever the id changes: ``initial_states`` feeds
+    each row's first sequence and the final state is that of its last one.
     """
     check_chunk_size(chunk_size)
     s = check_scan_inputs(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                           dt_limit=dt_limit, states=initial_states, states_name="initial_states",
-                          step=False)
+                          step=False, seq_idx=seq_idx)
     xp = s.xp
     b, l, h, p = s.x.shape
     Bh = heads_from_groups(s.B, h, xp=xp)  # [b, l, h, n]
@@ -50,6 +53,9 @@ def selective_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_s
         state = xp.zeros((b, h, p, Bh.shape[-1]), dtype=s.x.dtype, device=device(s.x))
     ys = []
     for t in range(l):
+        if s.seq_idx is not None and t > 0:
+            same = s.seq_idx[:, t] == s.seq_idx[:, t - 1]  # [b]
+            state = within(state, same[:, None, None, None], xp=xp)  # a new sequence starts at 0
         y_t, state = recurrence_step(state, s.x[:, t, ...], s.dt[:, t, ...], s.A, Bh[:, t, ...],
                                      Ch[:, t, ...], xp=xp)
         ys.append(y_t)

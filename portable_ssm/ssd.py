@@ -8,17 +8,25 @@ n state size, Q chunk size, c chunks. With ``X = x·Δ`` and ``a = A·Δ`` (MAMB
 3. state passing:    ``S_in[c+1] = exp(acs_c[-1]) · S_in[c] + S_c``
 4. state -> output:  ``Y_off[t] = exp(acs[t]) · (S_in[c] @ C_t)``
 
-Every exponent is a sum of ``A·Δ <= 0`` terms, clamped at 0, so no exp ever sees a positive
-argument. Long sequences are processed in segments of whole chunks with the state carried across,
+Packed sequences (``seq_idx``) reset the state at every boundary through masks, never through
+data-dependent shapes (mamba_ssm's rule): L keeps pairs inside one sequence, a chunk state only
+the chunk's last sequence, the entering state only reaches positions of the sequence that was
+running when the chunk began, and it is carried past the chunk only if that sequence still runs
+at the chunk's end.
+
+Δ is clamped at 0 and A is negative, so every exponent is a sum of ``A·Δ <= 0`` terms: no exp
+sees a positive argument (the upper triangle is set to -inf before its exp, never exp'd and
+masked). Long sequences are processed in segments of whole chunks with the state carried across,
 so the extra memory is bounded by the segment, not by l.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from ._array import Array, Namespace, device
-from .ssm_inputs import check_chunk_size, check_scan_inputs, skip_and_gate
+from .ssm_inputs import check_chunk_size, check_scan_inputs, skip_and_gate, within
 
 #: Longest chunk chosen automatically; shorter sequences use one chunk of their own length.
 MAX_AUTO_CHUNK = 64
@@ -38,8 +46,8 @@ def choose_chunk_size(length: int, max_chunk: int = MAX_AUTO_CHUNK) -> int:
 def ssd_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: int | None = None,
              D: Array | None = None, z: Array | None = None, dt_bias: Array | None = None,
              dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
-             initial_states: Array | None = None,
-             return_final_states: bool = False) -> Array | tuple[Array, Array]:
+             initial_states: Array | None = None, return_final_states: bool = False,
+             seq_idx: Array | None = None) -> Array | tuple[Array, Array]:
     """The chunked SSD scan, argument for argument like mamba_ssm's ``mamba_chunk_scan_combined``.
 
     Args:
@@ -51,8 +59,13 @@ def ssd_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: i
             The result does not depend on it beyond rounding.
         D: optional skip ``[h]`` or ``[h, p]``; z: optional gate like x (``y * silu(z)``).
         dt_bias, dt_softplus, dt_limit: see :func:`portable_ssm.discretize`.
-        initial_states: optional ``[b, h, p, n]`` in the compute dtype.
-        return_final_states: also return the ``[b, h, p, n]`` state after the last step.
+        initial_states: optional ``[b, h, p, n]`` in the compute dtype (with ``seq_idx``: the
+            state of each row's first sequence only).
+        return_final_states: also return the ``[b, h, p, n]`` state after the last step (with
+            ``seq_idx``: the state of each row's last sequence).
+        seq_idx: optional ``[b, l]`` integer sequence ids, non-decreasing along l (mamba_ssm's
+            packed rows): the state resets wherever the id changes, so each sequence of a row
+            gives what it gives alone.
 
     Returns:
         ``y [b, l, h, p]`` in x's dtype, or ``(y, final_states)``.
@@ -60,17 +73,20 @@ def ssd_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: i
     check_chunk_size(chunk_size)
     s = check_scan_inputs(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                           dt_limit=dt_limit, states=initial_states, states_name="initial_states",
-                          step=False)
+                          step=False, seq_idx=seq_idx)
     xp = s.xp
     y, final = ssd_chunked(s.x, s.dt, s.A, s.B, s.C, chunk_size=chunk_size, initial_states=s.states,
-                           xp=xp)
+                           seq_idx=s.seq_idx, xp=xp)
     y = xp.astype(skip_and_gate(y, s.x, s.D, s.z, xp=xp), s.out_dtype)
     return (y, final) if return_final_states else y
 
 
 def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: int | None,
-                initial_states: Array | None, xp: Namespace) -> tuple[Array, Array]:
-    """The scan without D/z on validated compute-dtype inputs (``dt`` is Δ): ``(y, final_states)``."""
+                initial_states: Array | None, xp: Namespace,
+                seq_idx: Array | None = None) -> tuple[Array, Array]:
+    """The scan without D/z on validated compute-dtype inputs (``dt`` is Δ): ``(y, final_states)``.
+
+    ``seq_idx [b, l]``: ids where equal means one contiguous sequence (run ids), or None."""
     b, l, h, p = x.shape
     n = B.shape[-1]
     Q = choose_chunk_size(l) if chunk_size is None else chunk_size
@@ -81,9 +97,13 @@ def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size
     outputs = []
     for start in range(0, l, step):
         stop = min(start + step, l)
+        # the state entering the segment belongs to the sequence at start-1 (initial: the first)
+        seq = None if seq_idx is None else (seq_idx[:, start:stop], seq_idx[:, max(start - 1, 0)])
         y, state = _segment(x[:, start:stop, ...], dt[:, start:stop, ...], A, B[:, start:stop, ...],
-                            C[:, start:stop, ...], Q, state, xp=xp)
+                            C[:, start:stop, ...], Q, state, seq=seq, xp=xp)
         outputs.append(y)
+    if not outputs:  # l == 0: nothing to scan, the state passes through
+        return xp.zeros((b, 0, h, p), dtype=x.dtype, device=device(x)), state
     y = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=1)  # [b, l, h, p]
     return y, state
 
@@ -96,14 +116,39 @@ def _pad_time(v: Array, pad: int, *, xp: Namespace) -> Array:
     return xp.concat([v, zeros], axis=1)
 
 
+class _Boundaries(NamedTuple):
+    """Masks keeping each chunk's terms inside one sequence (all None: one sequence per row)."""
+
+    same: Array | None = None  # i and j in one sequence, [b, c, 1, Q, Q]
+    in_last: Array | None = None  # t in the chunk's last sequence, [b, c, 1, Q]
+    carried: Array | None = None  # the entering sequence still runs at the chunk's end, [b, c, 1]
+    in_entering: Array | None = None  # t in the sequence running when the chunk began, [b, c, 1, Q]
+
+
+def _boundaries(seq: Array, before: Array, c: int, Q: int, *, xp: Namespace) -> _Boundaries:
+    """The masks for ids ``seq [b, l]`` (``l <= c·Q``) and ``before [b]``, the id of the state
+    entering the segment. The tail is padded with the last id: padded steps join the last sequence."""
+    b, l = seq.shape
+    seq = xp.concat([seq, xp.broadcast_to(seq[:, -1:], (b, c * Q - l))], axis=1)  # [b, c·Q]
+    s = xp.reshape(seq, (b, c, Q))  # [b, c, Q]
+    entering = xp.concat([before[:, None], s[:, :-1, -1]], axis=1)  # id entering each chunk, [b, c]
+    last = s[:, :, -1]  # [b, c]
+    return _Boundaries(same=(s[:, :, :, None] == s[:, :, None, :])[:, :, None, ...],
+                       in_last=(s == last[..., None])[:, :, None, :],
+                       carried=(last == entering)[..., None],
+                       in_entering=(s == entering[..., None])[:, :, None, :])
+
+
 def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: Array, *,
-             xp: Namespace) -> tuple[Array, Array]:
-    """One segment of whole chunks, starting from ``state [b, h, p, n]``."""
+             seq: tuple[Array, Array] | None, xp: Namespace) -> tuple[Array, Array]:
+    """One segment of whole chunks, starting from ``state [b, h, p, n]``; ``seq`` is None or
+    ``(ids [b, l], id of the entering state [b])``."""
     b, l, h, p = x.shape
     g, n = B.shape[-2:]
     r = h // g
     c = math.ceil(l / Q)
     pad = c * Q - l
+    m = _Boundaries() if seq is None else _boundaries(*seq, c, Q, xp=xp)
     x, dt, B, C = (_pad_time(v, pad, xp=xp) for v in (x, dt, B, C))
 
     X = xp.reshape(x * dt[..., None], (b, c, Q, h, p))  # X = x·Δ, [b, c, Q, h, p]
@@ -117,19 +162,19 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     CB = xp.matmul(Cg, xp.matrix_transpose(Bg))  # [b, c, g, Q, Q]
     idx = xp.arange(Q, device=device(x))
     causal = idx[:, None] >= idx[None, :]  # [Q, Q]
-    segsum = xp.minimum(acs[..., :, None] - acs[..., None, :], 0.0)  # [b, c, h, Q, Q]
-    L = xp.exp(xp.where(causal, segsum, -math.inf))  # [b, c, h, Q, Q]
+    segsum = acs[..., :, None] - acs[..., None, :]  # [b, c, h, Q, Q]
+    L = within(xp.exp(xp.where(causal, segsum, -math.inf)), m.same, xp=xp)  # [b, c, h, Q, Q]
     M = xp.reshape(CB[:, :, :, None, ...] * xp.reshape(L, (b, c, g, r, Q, Q)), (b, c, h, Q, Q))
     Y_diag = xp.permute_dims(xp.matmul(M, Xh), (0, 1, 3, 2, 4))  # [b, c, Q, h, p]
 
     # 2. chunk states: what each chunk adds to the state, decayed to its end
-    decay_states = xp.exp(xp.minimum(acs[..., -1:] - acs, 0.0))  # [b, c, h, Q]
+    decay_states = within(xp.exp(acs[..., -1:] - acs), m.in_last, xp=xp)  # [b, c, h, Q]
     Xd = X * xp.permute_dims(decay_states, (0, 1, 3, 2))[..., None]  # [b, c, Q, h, p]
     Xd = xp.permute_dims(xp.reshape(Xd, (b, c, Q, g, r * p)), (0, 1, 3, 2, 4))  # [b, c, g, Q, r·p]
     S = xp.reshape(xp.matmul(xp.matrix_transpose(Xd), Bg), (b, c, h, p, n))  # [b, c, h, p, n]
 
     # 3. state passing: the state entering each chunk, and the one leaving the segment
-    decay_chunk = xp.exp(acs[..., -1])  # [b, c, h]
+    decay_chunk = within(xp.exp(acs[..., -1]), m.carried, xp=xp)  # [b, c, h]
     entering = []
     for i in range(c):
         entering.append(state)
@@ -140,7 +185,8 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     S_in = xp.reshape(S_in, (b, c, g, r * p, n))  # [b, c, g, r·p, n]
     Y_off = xp.matmul(Cg, xp.matrix_transpose(S_in))  # [b, c, g, Q, r·p]
     Y_off = xp.reshape(xp.permute_dims(Y_off, (0, 1, 3, 2, 4)), (b, c, Q, h, p))  # [b, c, Q, h, p]
-    Y_off = Y_off * xp.permute_dims(xp.exp(acs), (0, 1, 3, 2))[..., None]
+    decay_out = within(xp.exp(acs), m.in_entering, xp=xp)  # [b, c, h, Q]
+    Y_off = Y_off * xp.permute_dims(decay_out, (0, 1, 3, 2))[..., None]
 
     y = xp.reshape(Y_diag + Y_off, (b, c * Q, h, p))[:, :l, ...]  # [b, l, h, p]
     return y, state

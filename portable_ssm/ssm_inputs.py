@@ -9,6 +9,12 @@ float32 and float64 there is a TypeError). The SSM parameters ``dt``, ``A``, ``D
 may be any floating dtype, as mamba_ssm keeps them in float32 for bf16 models. All the math runs
 in the compute dtype: float64 for float64 inputs, float32 otherwise (bf16/fp16 too). States
 (``initial_states`` and the returned ones) are in the compute dtype; ``y`` comes back in x's dtype.
+
+Packed sequences (``seq_idx [b, l]``, mamba_ssm's argument): integer ids, non-decreasing along l
+as mamba_ssm asks; a new sequence starts wherever the id changes, so only neighbours are compared
+and the ids' values do not matter. Entry points turn them into run ids once (:func:`sequence_runs`);
+the inner functions only ask that equal ids mean one contiguous sequence. Incoming states belong
+to each row's first sequence, returned states to its last one.
 """
 
 from __future__ import annotations
@@ -42,17 +48,21 @@ class ScanInputs:
     z: Array | None  # like x
     states: Array | None  # [b, h, p, n]
     out_dtype: Any
+    seq_idx: Array | None = None  # run ids [b, l] (sequence_runs), None for one sequence per row
 
 
 def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: Array | None,
                       z: Array | None, dt_bias: Array | None, dt_softplus: bool, dt_limit: Any,
-                      states: Array | None, states_name: str, step: bool) -> ScanInputs:
+                      states: Array | None, states_name: str, step: bool,
+                      seq_idx: Array | None = None) -> ScanInputs:
     """Validates the arguments of ``ssd_scan``/``selective_scan`` (or ``ssd_step`` when ``step``).
 
     Raises ValueError for shapes (naming the argument, the legend's letters and both sizes),
-    TypeError for non-floating or mixed storage dtypes and for arrays from two backends.
+    TypeError for non-floating or mixed storage dtypes, a non-integer ``seq_idx`` and arrays
+    from two backends. ``seq_idx`` comes back as run ids (:func:`sequence_runs`).
     """
-    xp = namespace(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **{states_name: states})
+    xp = namespace(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **{states_name: states},
+                   seq_idx=seq_idx)
     dt_limit = check_dt_limit(dt_limit)
     seq = () if step else ("l",)
     shapes = Shapes()
@@ -80,6 +90,8 @@ def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: A
         if states.dtype != cdtype:
             raise TypeError(f"{states_name}: expected the compute dtype {dtype_name(cdtype)} for "
                             f"x of dtype {dtype_name(x.dtype)}, got {dtype_name(states.dtype)}")
+    if seq_idx is not None:
+        check_seq_idx(seq_idx, shapes, "x", x, xp=xp)
     for name, value in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
                         ("dt_bias", dt_bias), (states_name, states)):
         if value is not None:
@@ -90,7 +102,34 @@ def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: A
 
     return ScanInputs(xp=xp, x=cast(x), dt=cast(delta(dt, dt_bias, dt_softplus, dt_limit, xp=xp)),
                       A=cast(A), B=cast(B), C=cast(C), D=cast(D), z=cast(z), states=states,
-                      out_dtype=x.dtype)
+                      out_dtype=x.dtype, seq_idx=None if seq_idx is None else sequence_runs(seq_idx, xp=xp))
+
+
+def check_seq_idx(seq_idx: Array, shapes: Shapes, ref_name: str, ref: Array, *, xp: Namespace) -> None:
+    """Checks ``seq_idx`` against ``ref`` (x or input_ids): one backend, an integer dtype, shape
+    ``[b, l]`` with the sizes ``shapes`` already bound, and ``ref``'s device."""
+    namespace(**{ref_name: ref}, seq_idx=seq_idx)
+    if not xp.isdtype(seq_idx.dtype, "integral"):
+        raise TypeError(f"seq_idx: expected an integer dtype (sequence ids per step), "
+                        f"got {dtype_name(seq_idx.dtype)}")
+    shapes.check("seq_idx", seq_idx, ("b", "l"))
+    check_same_device("seq_idx", seq_idx, ref_name, ref)
+
+
+def sequence_runs(seq_idx: Array, *, xp: Namespace) -> Array:
+    """Run ids ``[b, l]`` int32: 0 for each row's first sequence, one more wherever the id changes.
+
+    ``[[7, 7, 9, 9, 9, 4]] -> [[0, 0, 1, 1, 1, 2]]``: equal run ids always mean one contiguous
+    sequence, which is all the masks in the scans and the conv rely on."""
+    previous = xp.concat([seq_idx[:, :1], seq_idx[:, :-1]], axis=1)  # id one step earlier, [b, l]
+    starts = xp.astype(seq_idx != previous, xp.int32)  # 1 where a new sequence begins, [b, l]
+    return xp.cumulative_sum(starts, axis=1, dtype=xp.int32)  # [b, l]
+
+
+def within(v: Array, keep: Array | None, *, xp: Namespace) -> Array:
+    """``v`` where ``keep``, else 0 (terms that would cross a sequence boundary); ``v`` itself when
+    ``keep`` is None, so one sequence per row computes exactly what it did without ``seq_idx``."""
+    return v if keep is None else xp.where(keep, v, 0.0)
 
 
 def check_chunk_size(chunk_size: Any) -> None:
