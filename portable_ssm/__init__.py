@@ -10,6 +10,7 @@ Public API:
     forward, step, Mamba2State, empty_state  the full stack over a sequence / one token
     to_backend, cast_params                  moving arrays between libraries, devices, dtypes
     collate, unpack, to_padded, Batch        padded or packed batches of variable-length sequences
+    load_pretrained, Mamba2LM                pretrained checkpoints (transformers / state-spaces), generation
 """
 
 from .backends import to_backend
@@ -18,13 +19,14 @@ from .data import Batch, collate, to_padded, unpack
 from .discretize import discretize
 from .model import Mamba2State, empty_state, forward, step
 from .params import cast_params, check_params, init_params, param_shapes
+from .pretrained import Mamba2LM, load_pretrained
 from .recurrence import selective_scan, ssd_step
 from .ssd import choose_chunk_size, ssd_scan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Batch", "Mamba2Config", "Mamba2State", "cast_params", "check_params", "choose_chunk_size", "collate",
-    "default_config", "discretize", "empty_state", "forward", "init_params", "param_shapes", "selective_scan",
-    "ssd_scan", "ssd_step", "step", "to_backend", "to_padded", "unpack",
+    "Batch", "Mamba2Config", "Mamba2LM", "Mamba2State", "cast_params", "check_params", "choose_chunk_size",
+    "collate", "default_config", "discretize", "empty_state", "forward", "init_params", "load_pretrained",
+    "param_shapes", "selective_scan", "ssd_scan", "ssd_step", "step", "to_backend", "to_padded", "unpack",
 ]

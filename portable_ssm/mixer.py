@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._array import Array, Namespace, compute_dtype, silu
+from .backends import fast_op
 from .config import Mamba2Config
 from .conv import causal_conv1d, conv_step
 from .discretize import delta
@@ -50,8 +51,9 @@ def _ssm_params(p: dict[str, Array], c: Mamba2Config, cdtype: Any, *, xp: Namesp
     return -xp.exp(xp.astype(p["A_log"], cdtype)), xp.astype(p["D"], cdtype)
 
 
-def _output(y: Array, z: Array, p: dict[str, Array], c: Mamba2Config, *, xp: Namespace) -> Array:
-    """Gated grouped RMSNorm then out_proj: ``y, z [..., d_inner] -> [..., d_model]``."""
+def _output(y: Array, z: Array | None, p: dict[str, Array], c: Mamba2Config, *, xp: Namespace) -> Array:
+    """Gated grouped RMSNorm then out_proj: ``y, z [..., d_inner] -> [..., d_model]`` (``z=None``:
+    y is already gated)."""
     y = gated_rms_norm(y, z, p["norm.weight"], c.ngroups, c.norm_eps, xp=xp)
     return _linear(y, p["out_proj.weight"], p.get("out_proj.bias"), xp=xp)
 
@@ -85,11 +87,16 @@ def mixer_step(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array
     b, _ = u.shape
     z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
-    xBC, conv_state = conv_step(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp)
-    x, B, C = _split_xbc(silu(xBC, xp=xp), c, xp=xp)
-
     cdtype = compute_dtype(xp, u.dtype)
     A, D = _ssm_params(p, c, cdtype, xp=xp)
+    native = fast_op(xp, "decode_step")
+    if native is not None:  # one fused launch: conv, SiLU, Δ, state update, output, D skip and gate
+        y, conv_state, ssm_state = native(xBC, dt, z, conv_state, ssm_state, conv_w, p.get("conv1d.bias"),
+                                          p["dt_bias"], A, D, c.dt_limit, c.ngroups, c.headdim)
+        return _output(y, None, p, c, xp=xp), conv_state, ssm_state
+
+    xBC, conv_state = conv_step(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp)
+    x, B, C = _split_xbc(silu(xBC, xp=xp), c, xp=xp)
     step = xp.astype(delta(dt, p["dt_bias"], True, c.dt_limit, xp=xp), cdtype)  # Δ [b, h]
     x, B, C = (xp.astype(v, cdtype) for v in (x, B, C))
     y, ssm_state = recurrence_step(ssm_state, x, step, A, heads_from_groups(B, c.nheads, xp=xp),

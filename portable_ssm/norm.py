@@ -13,11 +13,14 @@ def rms_norm(x: Array, weight: Array, eps: float, *, xp: Namespace) -> Array:
     return weight * xp.astype(x, weight.dtype)
 
 
-def gated_rms_norm(y: Array, z: Array, weight: Array, groups: int, eps: float, *, xp: Namespace) -> Array:
+def gated_rms_norm(y: Array, z: Array | None, weight: Array, groups: int, eps: float, *, xp: Namespace) -> Array:
     """``rmsnorm(y · silu(z))`` over each of ``groups`` equal slices of the last axis
-    (norm_before_gate=False, as mamba_ssm's Mamba2). ``y, z [..., d]``, weight ``[d]``."""
+    (norm_before_gate=False, as mamba_ssm's Mamba2). ``y, z [..., d]``, weight ``[d]``; ``z=None``
+    when y arrives already gated (a fused decode kernel)."""
     cdtype = compute_dtype(xp, weight.dtype)
-    v = xp.astype(y, cdtype) * silu(xp.astype(z, cdtype), xp=xp)  # [..., d]
+    v = xp.astype(y, cdtype)  # [..., d]
+    if z is not None:
+        v = v * silu(xp.astype(z, cdtype), xp=xp)
     *lead, d = v.shape
     v = xp.reshape(v, (*lead, groups, d // groups))  # [..., g, d/g]
     v = v / xp.sqrt(xp.mean(v * v, axis=-1, keepdims=True) + eps)

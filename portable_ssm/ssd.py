@@ -26,6 +26,7 @@ import math
 from typing import NamedTuple
 
 from ._array import Array, Namespace, device
+from .backends import fast_op
 from .ssm_inputs import check_chunk_size, check_scan_inputs, skip_and_gate, within
 
 #: Longest chunk chosen automatically; shorter sequences use one chunk of their own length.
@@ -86,13 +87,20 @@ def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size
                 seq_idx: Array | None = None) -> tuple[Array, Array]:
     """The scan without D/z on validated compute-dtype inputs (``dt`` is Δ): ``(y, final_states)``.
 
-    ``seq_idx [b, l]``: ids where equal means one contiguous sequence (run ids), or None."""
+    ``seq_idx [b, l]``: ids where equal means one contiguous sequence (run ids), or None.
+    A backend may provide a native version (``fast_op(xp, "ssd_chunked")``, e.g. the CuPy kernels);
+    this one is the reference it is tested against."""
+    native = fast_op(xp, "ssd_chunked")
+    if native is not None:
+        return native(x, dt, A, B, C, chunk_size, initial_states, seq_idx=seq_idx)
     b, l, h, p = x.shape
-    n = B.shape[-1]
+    g, n = B.shape[-2:]
+    r = h // g
     Q = choose_chunk_size(l) if chunk_size is None else chunk_size
-    state = initial_states
-    if state is None:
-        state = xp.zeros((b, h, p, n), dtype=x.dtype, device=device(x))
+    if initial_states is None:
+        state = xp.zeros((b, g, n, r, p), dtype=x.dtype, device=device(x))
+    else:  # the scan keeps states n-major so that every matmul reads row-major operands
+        state = xp.permute_dims(xp.reshape(initial_states, (b, g, r, p, n)), (0, 1, 4, 2, 3))  # [b, g, n, r, p]
     step = max(Q, (SEGMENT_TOKENS // Q) * Q)
     outputs = []
     for start in range(0, l, step):
@@ -102,10 +110,11 @@ def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size
         y, state = _segment(x[:, start:stop, ...], dt[:, start:stop, ...], A, B[:, start:stop, ...],
                             C[:, start:stop, ...], Q, state, seq=seq, xp=xp)
         outputs.append(y)
+    final = xp.reshape(xp.permute_dims(state, (0, 1, 3, 4, 2)), (b, h, p, n))  # [b, g, n, r, p] -> [b, h, p, n]
     if not outputs:  # l == 0: nothing to scan, the state passes through
-        return xp.zeros((b, 0, h, p), dtype=x.dtype, device=device(x)), state
+        return xp.zeros((b, 0, h, p), dtype=x.dtype, device=device(x)), final
     y = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=1)  # [b, l, h, p]
-    return y, state
+    return y, final
 
 
 def _pad_time(v: Array, pad: int, *, xp: Namespace) -> Array:
@@ -114,6 +123,20 @@ def _pad_time(v: Array, pad: int, *, xp: Namespace) -> Array:
         return v
     zeros = xp.zeros((v.shape[0], pad, *v.shape[2:]), dtype=v.dtype, device=device(v))
     return xp.concat([v, zeros], axis=1)
+
+
+def _matmul(a: Array, b: Array, *, xp: Namespace) -> Array:
+    """``a [..., m, k] @ b [..., k, n]`` (equal leading axes) as one batch axis: NumPy runs stacks of
+    rank > 3 through a slow non-BLAS loop for some strides, a 3-d batch always through BLAS."""
+    out = xp.matmul(xp.reshape(a, (-1, *a.shape[-2:])), xp.reshape(b, (-1, *b.shape[-2:])))  # [B, m, n]
+    return xp.reshape(out, (*a.shape[:-2], *out.shape[-2:]))  # [..., m, n]
+
+
+def _row_major(v: Array, *, xp: Namespace) -> Array:
+    """``v`` laid out row-major. The standard has no layouts, but reshaping through one flat axis
+    copies a permuted view in logical order on strided backends, so the [Q, Q] blocks built from it
+    are contiguous and their matmuls run as BLAS calls instead of strided loops."""
+    return xp.reshape(xp.reshape(v, (-1,)), v.shape)  # [...] -> [prod] -> [...]
 
 
 class _Boundaries(NamedTuple):
@@ -141,7 +164,7 @@ def _boundaries(seq: Array, before: Array, c: int, Q: int, *, xp: Namespace) -> 
 
 def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: Array, *,
              seq: tuple[Array, Array] | None, xp: Namespace) -> tuple[Array, Array]:
-    """One segment of whole chunks, starting from ``state [b, h, p, n]``; ``seq`` is None or
+    """One segment of whole chunks, starting from ``state [b, g, n, r, p]``; ``seq`` is None or
     ``(ids [b, l], id of the entering state [b])``."""
     b, l, h, p = x.shape
     g, n = B.shape[-2:]
@@ -152,38 +175,39 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     x, dt, B, C = (_pad_time(v, pad, xp=xp) for v in (x, dt, B, C))
 
     X = xp.reshape(x * dt[..., None], (b, c, Q, h, p))  # X = x·Δ, [b, c, Q, h, p]
-    a = xp.reshape(dt * A, (b, c, Q, h))  # a = A·Δ <= 0, [b, c, Q, h]
-    acs = xp.cumulative_sum(xp.permute_dims(a, (0, 1, 3, 2)), axis=-1)  # [b, c, h, Q]
+    a = xp.permute_dims(xp.reshape(dt * A, (b, c, Q, h)), (0, 1, 3, 2))  # a = A·Δ <= 0, [b, c, h, Q]
+    acs = xp.cumulative_sum(_row_major(a, xp=xp), axis=-1)  # [b, c, h, Q]
     Bg = xp.permute_dims(xp.reshape(B, (b, c, Q, g, n)), (0, 1, 3, 2, 4))  # [b, c, g, Q, n]
     Cg = xp.permute_dims(xp.reshape(C, (b, c, Q, g, n)), (0, 1, 3, 2, 4))  # [b, c, g, Q, n]
     Xh = xp.permute_dims(X, (0, 1, 3, 2, 4))  # [b, c, h, Q, p]
 
     # 1. diagonal blocks: causal "attention" C Bᵀ ⊙ L inside each chunk
-    CB = xp.matmul(Cg, xp.matrix_transpose(Bg))  # [b, c, g, Q, Q]
+    Bt = _row_major(xp.matrix_transpose(Bg), xp=xp)  # [b, c, g, n, Q]
+    CB = _matmul(Cg, Bt, xp=xp)  # [b, c, g, Q, Q]
     idx = xp.arange(Q, device=device(x))
     causal = idx[:, None] >= idx[None, :]  # [Q, Q]
     segsum = acs[..., :, None] - acs[..., None, :]  # [b, c, h, Q, Q]
     L = within(xp.exp(xp.where(causal, segsum, -math.inf)), m.same, xp=xp)  # [b, c, h, Q, Q]
     M = xp.reshape(CB[:, :, :, None, ...] * xp.reshape(L, (b, c, g, r, Q, Q)), (b, c, h, Q, Q))
-    Y_diag = xp.permute_dims(xp.matmul(M, Xh), (0, 1, 3, 2, 4))  # [b, c, Q, h, p]
+    Y_diag = xp.permute_dims(_matmul(M, Xh, xp=xp), (0, 1, 3, 2, 4))  # [b, c, Q, h, p]
 
-    # 2. chunk states: what each chunk adds to the state, decayed to its end
+    # 2. chunk states: what each chunk adds to the state, decayed to its end (n-major: Bᵀ X)
     decay_states = within(xp.exp(acs[..., -1:] - acs), m.in_last, xp=xp)  # [b, c, h, Q]
     Xd = X * xp.permute_dims(decay_states, (0, 1, 3, 2))[..., None]  # [b, c, Q, h, p]
     Xd = xp.permute_dims(xp.reshape(Xd, (b, c, Q, g, r * p)), (0, 1, 3, 2, 4))  # [b, c, g, Q, r·p]
-    S = xp.reshape(xp.matmul(xp.matrix_transpose(Xd), Bg), (b, c, h, p, n))  # [b, c, h, p, n]
+    S = xp.reshape(_matmul(Bt, Xd, xp=xp), (b, c, g, n, r, p))  # [b, c, g, n, r·p] -> [b, c, g, n, r, p]
 
     # 3. state passing: the state entering each chunk, and the one leaving the segment
     decay_chunk = within(xp.exp(acs[..., -1]), m.carried, xp=xp)  # [b, c, h]
+    decay_chunk = xp.reshape(decay_chunk, (b, c, g, 1, r, 1))  # [b, c, h] -> [b, c, g, 1, r, 1]
     entering = []
     for i in range(c):
         entering.append(state)
-        state = decay_chunk[:, i, :, None, None] * state + S[:, i, ...]  # [b, h, p, n]
-    S_in = xp.stack(entering, axis=1)  # [b, c, h, p, n]
+        state = decay_chunk[:, i, ...] * state + S[:, i, ...]  # [b, g, n, r, p]
+    S_in = xp.reshape(xp.stack(entering, axis=1), (b, c, g, n, r * p))  # [b, c, g, n, r·p]
 
     # 4. state -> output: the entering state read by C, decayed to each position
-    S_in = xp.reshape(S_in, (b, c, g, r * p, n))  # [b, c, g, r·p, n]
-    Y_off = xp.matmul(Cg, xp.matrix_transpose(S_in))  # [b, c, g, Q, r·p]
+    Y_off = _matmul(Cg, S_in, xp=xp)  # [b, c, g, Q, r·p]
     Y_off = xp.reshape(xp.permute_dims(Y_off, (0, 1, 3, 2, 4)), (b, c, Q, h, p))  # [b, c, Q, h, p]
     decay_out = within(xp.exp(acs), m.in_entering, xp=xp)  # [b, c, h, Q]
     Y_off = Y_off * xp.permute_dims(decay_out, (0, 1, 3, 2))[..., None]
