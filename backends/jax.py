@@ -8,8 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FAST_OPS: dict[str, Any] = {}
-
 
 def namespace() -> Any:
     return jnp
@@ -42,3 +40,18 @@ def to_numpy(x: Any) -> np.ndarray:
     if x.dtype in (jnp.bfloat16, jnp.float16):
         x = x.astype(jnp.float32)
     return np.asarray(x)
+
+
+def pass_states(state: Any, decay: Any, S: Any) -> tuple[Any, Any]:
+    """``jax.lax.scan`` version of ``portable_ssm.ssd.pass_states_ref``: the chunk recurrence
+    ``S_in[c+1] = decay[c] · S_in[c] + S[c]`` traced once instead of unrolled per chunk."""
+
+    def body(carry: Any, inputs: tuple[Any, Any]) -> tuple[Any, Any]:
+        decay_c, S_c = inputs
+        return decay_c * carry + S_c, carry
+
+    final, entering = jax.lax.scan(body, state, (jnp.moveaxis(decay, 1, 0), jnp.moveaxis(S, 1, 0)))
+    return jnp.moveaxis(entering, 0, 1), final  # [c, b, ...] -> [b, c, ...]
+
+
+FAST_OPS: dict[str, Any] = {"pass_states": pass_states}

@@ -39,7 +39,7 @@ def causal_conv1d_ref(x: Array, weight: Array, bias: Array | None, state: Array 
     if state is None:
         history = xp.zeros((b, k - 1, d), dtype=x.dtype, device=device(x))  # [b, k-1, d]
     else:
-        history = xp.permute_dims(xp.astype(state[:, :, 1:], x.dtype), (0, 2, 1))  # [b, k-1, d]
+        history = xp.permute_dims(xp.astype(state[:, :, 1:], x.dtype, copy=False), (0, 2, 1))  # [b, k-1, d]
     padded = xp.concat([history, x], axis=1)  # [b, k-1+l, d]
     ids = None
     if seq_idx is not None:  # the history belongs to the first sequence
@@ -64,7 +64,7 @@ def causal_conv1d_ref(x: Array, weight: Array, bias: Array | None, state: Array 
 def conv_step(x: Array, weight: Array, bias: Array | None, state: Array, *,
               xp: Namespace) -> tuple[Array, Array]:
     """One token: ``x [b, d]``, state ``[b, d, k]`` -> ``(y [b, d], new_state [b, d, k])``."""
-    state = xp.concat([state[:, :, 1:], xp.astype(x, state.dtype)[:, :, None]], axis=-1)  # [b, d, k]
+    state = xp.concat([state[:, :, 1:], xp.astype(x, state.dtype, copy=False)[:, :, None]], axis=-1)  # [b, d, k]
     y = xp.sum(state * weight, axis=-1)  # [b, d]
     if bias is not None:
         y = y + bias

@@ -16,9 +16,9 @@ from ._checks import Shapes, check_dt_limit, check_floating
 def delta(dt: Array, dt_bias: Array | None, dt_softplus: bool, dt_limit: tuple[float, float], *,
           xp: Namespace) -> Array:
     """Δ from raw ``dt [..., h]`` in the compute dtype (no validation: callers check at the door)."""
-    dt = xp.astype(dt, compute_dtype(xp, dt.dtype))
+    dt = xp.astype(dt, compute_dtype(xp, dt.dtype), copy=False)
     if dt_bias is not None:
-        dt = dt + xp.astype(dt_bias, dt.dtype)  # [..., h] + [h]
+        dt = dt + xp.astype(dt_bias, dt.dtype, copy=False)  # [..., h] + [h]
     if dt_softplus:
         dt = softplus(dt, xp=xp)
     low, high = dt_limit
@@ -61,4 +61,4 @@ def discretize(dt: Array, A: Array, *, dt_bias: Array | None = None, dt_softplus
     spec = tuple(f"d{i}" for i in range(dt.ndim - 1)) + ("h",)
     validate_dt(Shapes(), dt, A, dt_bias, spec, xp=xp)
     step = delta(dt, dt_bias, dt_softplus, dt_limit, xp=xp)  # [..., h]
-    return step, xp.exp(step * xp.astype(A, step.dtype))
+    return step, xp.exp(step * xp.astype(A, step.dtype, copy=False))

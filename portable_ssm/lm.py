@@ -13,7 +13,7 @@ from ._array import Array, Namespace, namespace
 from ._checks import Shapes
 from .config import Mamba2Config
 from .mixer import _linear, mixer_step
-from .model import Mamba2State, _blocks, _check_state, _sequence_mixer
+from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, run_sequence
 from .params import Params, check_params
 
 
@@ -56,7 +56,7 @@ def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
     x = embed(input_ids, params, xp=xp)  # [b, l, d_model]
     if initial_state is not None:
         _check_state(initial_state, config, x, shapes, "initial_state", xp=xp)
-    hidden, state = _blocks(x, params, config, initial_state, run, xp=xp)
+    hidden, state = run_sequence(x, params, config, initial_state, run, xp=xp)
     out = _linear(hidden, head_weight(params, config), None, xp=xp)  # [b, l, vocab]
     return (out, state) if return_state else out
 

@@ -8,9 +8,9 @@ from ._array import Array, Namespace, compute_dtype, silu
 def rms_norm(x: Array, weight: Array, eps: float, *, xp: Namespace) -> Array:
     """``x / sqrt(mean(x², -1) + eps) * weight`` over the last axis; returns weight's dtype."""
     dtype = x.dtype
-    x = xp.astype(x, compute_dtype(xp, dtype))
+    x = xp.astype(x, compute_dtype(xp, dtype), copy=False)
     x = x / xp.sqrt(xp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return weight * xp.astype(x, weight.dtype)
+    return weight * xp.astype(x, weight.dtype, copy=False)
 
 
 def gated_rms_norm(y: Array, z: Array | None, weight: Array, groups: int, eps: float, *, xp: Namespace) -> Array:
@@ -18,11 +18,11 @@ def gated_rms_norm(y: Array, z: Array | None, weight: Array, groups: int, eps: f
     (norm_before_gate=False, as mamba_ssm's Mamba2). ``y, z [..., d]``, weight ``[d]``; ``z=None``
     when y arrives already gated (a fused decode kernel)."""
     cdtype = compute_dtype(xp, weight.dtype)
-    v = xp.astype(y, cdtype)  # [..., d]
+    v = xp.astype(y, cdtype, copy=False)  # [..., d]
     if z is not None:
-        v = v * silu(xp.astype(z, cdtype), xp=xp)
+        v = v * silu(xp.astype(z, cdtype, copy=False), xp=xp)
     *lead, d = v.shape
     v = xp.reshape(v, (*lead, groups, d // groups))  # [..., g, d/g]
     v = v / xp.sqrt(xp.mean(v * v, axis=-1, keepdims=True) + eps)
     v = xp.reshape(v, (*lead, d))  # [..., d]
-    return weight * xp.astype(v, weight.dtype)
+    return weight * xp.astype(v, weight.dtype, copy=False)

@@ -60,7 +60,7 @@ def selective_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_s
                                      Ch[:, t, ...], xp=xp)
         ys.append(y_t)
     y = xp.stack(ys, axis=1) if ys else xp.zeros_like(s.x)  # [b, l, h, p]
-    y = xp.astype(skip_and_gate(y, s.x, s.D, s.z, xp=xp), s.out_dtype)
+    y = xp.astype(skip_and_gate(y, s.x, s.D, s.z, xp=xp), s.out_dtype, copy=False)
     return (y, state) if return_final_states else y
 
 
@@ -85,4 +85,4 @@ def ssd_step(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, *,
     h = s.x.shape[1]
     y, new_state = recurrence_step(s.states, s.x, s.dt, s.A, heads_from_groups(s.B, h, xp=xp),
                                    heads_from_groups(s.C, h, xp=xp), xp=xp)
-    return xp.astype(skip_and_gate(y, s.x, s.D, s.z, xp=xp), s.out_dtype), new_state
+    return xp.astype(skip_and_gate(y, s.x, s.D, s.z, xp=xp), s.out_dtype, copy=False), new_state

@@ -78,7 +78,7 @@ def ssd_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: i
     xp = s.xp
     y, final = ssd_chunked(s.x, s.dt, s.A, s.B, s.C, chunk_size=chunk_size, initial_states=s.states,
                            seq_idx=s.seq_idx, xp=xp)
-    y = xp.astype(skip_and_gate(y, s.x, s.D, s.z, xp=xp), s.out_dtype)
+    y = xp.astype(skip_and_gate(y, s.x, s.D, s.z, xp=xp), s.out_dtype, copy=False)
     return (y, final) if return_final_states else y
 
 
@@ -115,6 +115,25 @@ def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size
         return xp.zeros((b, 0, h, p), dtype=x.dtype, device=device(x)), final
     y = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=1)  # [b, l, h, p]
     return y, final
+
+
+def pass_states(state: Array, decay: Array, S: Array, *, xp: Namespace) -> tuple[Array, Array]:
+    """Step 3, ``S_in[c+1] = decay[c] · S_in[c] + S[c]`` from ``S_in[0] = state``: returns the state
+    entering each chunk ``[b, c, ...]`` and the one leaving the last. A backend may provide a
+    native version (``fast_op(xp, "pass_states")``: ``jax.lax.scan`` compiles once, not per chunk)."""
+    native = fast_op(xp, "pass_states")
+    if native is not None:
+        return native(state, decay, S)
+    return pass_states_ref(state, decay, S, xp=xp)
+
+
+def pass_states_ref(state: Array, decay: Array, S: Array, *, xp: Namespace) -> tuple[Array, Array]:
+    """The Python loop over chunks; ``decay`` broadcasts against ``S [b, c, ...]``."""
+    entering = []
+    for decay_i, S_i in zip(xp.unstack(decay, axis=1), xp.unstack(S, axis=1)):  # unstack, not S[:, i]:
+        entering.append(state)  # autograd then adds one gradient per chunk, not a full-size zero fill
+        state = decay_i * state + S_i
+    return xp.stack(entering, axis=1), state
 
 
 def _pad_time(v: Array, pad: int, *, xp: Namespace) -> Array:
@@ -200,11 +219,8 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     # 3. state passing: the state entering each chunk, and the one leaving the segment
     decay_chunk = within(xp.exp(acs[..., -1]), m.carried, xp=xp)  # [b, c, h]
     decay_chunk = xp.reshape(decay_chunk, (b, c, g, 1, r, 1))  # [b, c, h] -> [b, c, g, 1, r, 1]
-    entering = []
-    for i in range(c):
-        entering.append(state)
-        state = decay_chunk[:, i, ...] * state + S[:, i, ...]  # [b, g, n, r, p]
-    S_in = xp.reshape(xp.stack(entering, axis=1), (b, c, g, n, r * p))  # [b, c, g, n, r·p]
+    S_in, state = pass_states(state, decay_chunk, S, xp=xp)  # [b, c, g, n, r, p], [b, g, n, r, p]
+    S_in = xp.reshape(S_in, (b, c, g, n, r * p))  # [b, c, g, n, r·p]
 
     # 4. state -> output: the entering state read by C, decayed to each position
     Y_off = _matmul(Cg, S_in, xp=xp)  # [b, c, g, Q, r·p]

@@ -98,7 +98,7 @@ def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: A
             check_same_device(name, value, "x", x)
 
     def cast(value: Array | None) -> Array | None:
-        return None if value is None else xp.astype(value, cdtype)
+        return None if value is None else xp.astype(value, cdtype, copy=False)
 
     return ScanInputs(xp=xp, x=cast(x), dt=cast(delta(dt, dt_bias, dt_softplus, dt_limit, xp=xp)),
                       A=cast(A), B=cast(B), C=cast(C), D=cast(D), z=cast(z), states=states,

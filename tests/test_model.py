@@ -136,3 +136,15 @@ def test_100k_step_scan_with_large_dt_stays_finite_and_matches_its_tail():
     assert np.isfinite(y).all() and np.isfinite(s).all()
     tail = ps.selective_scan(*[v[:, -40:] if v.ndim > 1 else v for v in f32], dt_softplus=True)
     assert rel_err(y[:, -30:], tail[:, -30:]) <= 1e-5  # Δ is huge, so the distant past is forgotten
+
+
+def test_long_inputs_run_in_token_blocks_with_the_same_result(monkeypatch):
+    import portable_ssm.model as model
+
+    params, x = host_model(seed=4), inputs(2, 100, CFG.d_model, seed=4)
+    whole, whole_state = ps.forward(x, params, config=CFG, return_state=True)
+    monkeypatch.setattr(model, "BLOCK_TOKENS", 24)  # 100 tokens in 5 blocks
+    blocked, blocked_state = ps.forward(x, params, config=CFG, return_state=True)
+    assert rel_err(blocked, whole) <= 1e-12
+    for a, b in zip(whole_state.conv + whole_state.ssm, blocked_state.conv + blocked_state.ssm):
+        assert rel_err(b, a) <= 1e-12

@@ -122,3 +122,22 @@ def test_chunk_size_selection_avoids_padding_short_sequences():
         Q = ps.choose_chunk_size(l)
         c = -(-l // Q)
         assert Q <= max(l, 1) and c * Q - l < c, (l, Q)
+
+
+def test_jax_native_state_passing_agrees_with_the_loop():
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    from portable_ssm.backends import fast_op
+
+    from portable_ssm.ssd import pass_states_ref
+
+    native = fast_op(jnp, "pass_states")
+    assert native is not None
+    rng = np.random.default_rng(0)
+    state, S = jnp.asarray(rng.standard_normal((2, 3, 4, 5))), jnp.asarray(rng.standard_normal((2, 7, 3, 4, 5)))
+    decay = jnp.asarray(rng.uniform(0, 1, (2, 7, 3, 1, 5)))
+    entering, final = native(state, decay, S)
+    entering_ref, final_ref = pass_states_ref(state, decay, S, xp=jnp)
+    np.testing.assert_allclose(np.asarray(entering), np.asarray(entering_ref), rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(final), np.asarray(final_ref), rtol=1e-12)

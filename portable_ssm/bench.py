@@ -1,0 +1,517 @@
+"""Benchmarks (tooling, not core): portable_ssm against transformers' pure-torch Mamba2, same weights.
+
+One run builds identical random weights for portable_ssm and, when installed, transformers'
+``Mamba2Model`` / ``Mamba2ForCausalLM``, then times, in parts (``--only``):
+
+- ``forward``: inference at the seed shape and a mamba2-130m layer at l = 512 ... 32768;
+- ``train``: forward + backward on torch (portable_ssm and transformers);
+- ``decode``: tokens/s of a mamba2-130m-shaped random LM at batch 1 and 8 (``logits_step``
+  against transformers' cached ``generate``);
+- ``scaling``: the 130m-layer rows alone, for the time-vs-length table and plot.
+
+It reports medians, ratios to transformers measured in the same run, GFLOP/s against this
+machine's sgemm rate (numpy float32 matmul, same run), peak memory and time-vs-length scaling,
+and writes ``RESULTS.md`` and ``scaling.png``. Timings are reported, never asserted. Frameworks
+are imported inside functions only, so ``import portable_ssm`` stays framework-free.
+
+FLOP count (:func:`forward_flops`), per layer and token, multiply-add = 2:
+projections ``2·d_model·(d_in_proj + d_inner)`` + SSD ``2·(Q·g·n + Q·h·p + 2·h·p·n)`` (C Bᵀ,
+diagonal blocks, chunk states, state -> output) with Q the chunk size portable_ssm picks for l.
+Conv, norms and elementwise work are not counted; a training step counts 3x the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .config import Mamba2Config
+from .ssd import choose_chunk_size
+
+PARTS = ("forward", "train", "decode", "scaling")
+BACKENDS = ("numpy", "torch", "jax", "transformers")
+SEED = Mamba2Config(d_model=256, n_layer=2, expand=4, d_state=16, headdim=64)
+LAYER_130M = Mamba2Config(d_model=768, n_layer=1, d_state=128, headdim=64, expand=2)
+LM_130M = replace(LAYER_130M, n_layer=24, vocab_size=50280)
+QUICK = (Mamba2Config(d_model=32, n_layer=2, d_state=8, headdim=16),
+         Mamba2Config(d_model=32, n_layer=1, d_state=16, headdim=16),
+         Mamba2Config(d_model=32, n_layer=2, d_state=16, headdim=16, vocab_size=100))
+LENGTHS, QUICK_LENGTHS = (512, 2048, 8192, 32768), (64, 256)
+TRAIN_MAX_LEN = 8192  # longer training rows need more memory than a CPU runner is assumed to have
+PROMPT, DECODE_STEPS = 8, 32
+Clock = Callable[[], float]
+CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
+FLOP_NOTE = ("FLOP count, per layer and token (multiply-add = 2): projections 2·d_model·(d_in_proj + "
+             "d_inner) + SSD 2·(Q·g·n + Q·h·p + 2·h·p·n) with Q = portable_ssm's chunk size for l; conv, "
+             "norms and elementwise work are not counted; training counts 3x the forward. GFLOP/s = that "
+             "count / median time for every backend (transformers' chunk of 256 does more work than "
+             "counted). x transformers = transformers' median / this row's median. Peak MiB: rise of the "
+             "process's peak RSS during one call. rel err: max |y - y_ref| / max |y_ref|, ref = "
+             "transformers (numpy without it).")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmarked shape (for decode, ``length`` is the prompt length)."""
+
+    part: str
+    name: str
+    config: Mamba2Config
+    batch: int
+    length: int
+
+
+@dataclass
+class Row:
+    """One measurement: ``seconds`` is the median of ``runs`` calls (of one step for decode)."""
+
+    case: Case
+    backend: str
+    seconds: float
+    runs: int
+    first_s: float
+    peak_mib: float | None
+    check: str = ""
+    ratio: float | None = None
+
+
+def forward_flops(config: Mamba2Config, batch: int, length: int) -> float:
+    """Model FLOPs of one forward over ``[batch, length]`` (see the module docstring)."""
+    c, Q = config, choose_chunk_size(length)
+    proj = 2 * c.d_model * (c.d_in_proj + c.d_inner)
+    ssd = 2 * (Q * c.ngroups * c.d_state + Q * c.nheads * c.headdim + 2 * c.nheads * c.headdim * c.d_state)
+    return float(c.n_layer * batch * length * (proj + ssd))
+
+
+def cases(parts: tuple[str, ...], quick: bool, max_len: int | None) -> list[Case]:
+    """The shapes each part runs; lengths above ``max_len`` are left out."""
+    seed, layer, lm = QUICK if quick else (SEED, LAYER_130M, LM_130M)
+    b, l = (2, 24) if quick else (8, 60)
+    lengths = [n for n in (QUICK_LENGTHS if quick else LENGTHS) if max_len is None or n <= max_len]
+    out = [Case("forward", "seed", seed, b, l)] if "forward" in parts else []
+    if "forward" in parts or "scaling" in parts:
+        out += [Case("forward", "130m-layer", layer, 1, n) for n in lengths]
+    if "train" in parts:
+        out += [Case("train", "seed", seed, b, l)]
+        out += [Case("train", "130m-layer", layer, 1, n) for n in lengths if n <= TRAIN_MAX_LEN]
+    if "decode" in parts:
+        out += [Case("decode", "tiny-lm" if quick else "130m-lm", lm, batch, PROMPT) for batch in (1, 8)]
+    return out
+
+
+def _proc_kib(path: str, field: str) -> int | None:
+    try:
+        with open(path) as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _timed(fn: Callable[[], Any], clock: Clock) -> tuple[float, float | None, Any]:
+    """``(seconds, peak MiB over the RSS before the call or None, output)`` of one call. The peak is
+    the process's VmHWM, reset through ``/proc/self/clear_refs`` (Linux; None elsewhere)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _proc_kib("/proc/self/status", "VmRSS")
+    except OSError:
+        base = None
+    start = clock()
+    out = fn()
+    seconds = clock() - start
+    hwm = _proc_kib("/proc/self/status", "VmHWM")
+    return seconds, None if base is None or hwm is None else max(hwm - base, 0) / 1024, out
+
+
+def measure(fn: Callable[[], Any], repeats: int, clock: Clock = time.perf_counter,
+            budget_s: float = 30.0) -> tuple[float, int, float, Any, Any]:
+    """One warm-up call, then ``repeats`` timed calls (fewer, at least two, past ``budget_s``).
+    Returns ``(median s, runs, first-call s, peak MiB or None, last output)``."""
+    first, _, out = _timed(fn, clock)
+    runs = max(2, min(repeats, int(budget_s / max(first, 1e-9))))
+    times, peaks = [], []
+    for _ in range(runs):
+        seconds, peak, out = _timed(fn, clock)
+        times.append(seconds)
+        peaks.append(peak)
+    return statistics.median(times), runs, first, None if None in peaks else max(peaks), out
+
+
+def _host(out: Any) -> Any:
+    import numpy as np
+
+    return np.asarray(out.detach().cpu() if hasattr(out, "detach") else out)
+
+
+def transformers_model(config: Mamba2Config, params: dict[str, Any], *, lm: bool = False) -> Any:
+    """transformers' ``Mamba2Model`` (``lm``: ``Mamba2ForCausalLM``) holding ``params`` (numpy,
+    core names), in eval mode. Its chunk size stays transformers' default (256); the vocabulary is
+    the padded one; a backbone without vocabulary gets an unused 16-row embedding."""
+    import torch
+    from transformers import Mamba2Config as HFConfig
+    from transformers import Mamba2ForCausalLM, Mamba2Model
+
+    c = config
+    hf = HFConfig(hidden_size=c.d_model, num_hidden_layers=c.n_layer, state_size=c.d_state,
+                  head_dim=c.headdim, num_heads=c.nheads, n_groups=c.ngroups, expand=c.expand,
+                  conv_kernel=c.d_conv, time_step_limit=c.dt_limit, layer_norm_epsilon=c.norm_eps,
+                  residual_in_fp32=c.residual_in_fp32, use_bias=c.bias, use_conv_bias=c.conv_bias,
+                  vocab_size=c.padded_vocab_size or 16, tie_word_embeddings=False, pad_token_id=0,
+                  bos_token_id=0, eos_token_id=None)
+    state = {k.replace("embedding.", "embeddings."): torch.from_numpy(v) for k, v in params.items()}
+    if not lm:
+        model = Mamba2Model(hf)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"embeddings.weight"}:
+            raise RuntimeError(f"transformers layout changed: missing {missing}, unexpected {unexpected}")
+        return model.eval()
+    head = state.pop("lm_head.weight", state["embeddings.weight"])
+    model = Mamba2ForCausalLM(hf)
+    model.load_state_dict({"lm_head.weight": head, **{"backbone." + k: v for k, v in state.items()}})
+    return model.eval()
+
+
+def _forward_fn(backend: str, config: Mamba2Config, params: dict[str, Any], x: Any,
+                train: bool) -> Callable[[], Any]:
+    """A no-argument call running one forward (``train``: forward + backward) on ``backend``."""
+    from .model import forward
+
+    if backend == "numpy":
+        return lambda: forward(x, params, config=config)
+    if backend == "jax":
+        import jax
+
+        run = jax.jit(lambda xj, pj: forward(xj, pj, config=config))
+        xj, pj = jax.numpy.asarray(x), {k: jax.numpy.asarray(v) for k, v in params.items()}
+        return lambda: run(xj, pj).block_until_ready()
+    import torch
+
+    xt = torch.from_numpy(x)
+    if backend == "torch":
+        leaves = {k: torch.from_numpy(v).requires_grad_(train) for k, v in params.items()}
+
+        def call() -> Any:
+            return forward(xt, leaves, config=config)
+    else:
+        model = transformers_model(config, params).train(train)
+        leaves = dict(model.named_parameters())
+
+        def call() -> Any:
+            return model(inputs_embeds=xt).last_hidden_state
+    if not train:
+        return torch.inference_mode()(call)
+
+    def step() -> Any:
+        for v in leaves.values():
+            v.grad = None
+        y = call()
+        (y * y).mean().backward()
+        return y
+    return step
+
+
+def _decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
+            clock: Clock) -> tuple[list[float], Any]:
+    """Greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``: step seconds, tokens."""
+    import contextlib
+
+    import numpy as np
+
+    if backend == "transformers":
+        import torch
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        class Stamp(LogitsProcessor):  # called once per generated token: times each decode step
+            def __init__(self) -> None:
+                self.stamps: list[float] = []
+
+            def __call__(self, input_ids: Any, scores: Any) -> Any:
+                self.stamps.append(clock())
+                return scores
+
+        model, stamp = transformers_model(config, params, lm=True), Stamp()
+        with torch.inference_mode():
+            out = model.generate(torch.from_numpy(ids), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
+                                 use_cache=True, logits_processor=LogitsProcessorList([stamp]))
+        return list(np.diff(stamp.stamps)), _host(out[:, ids.shape[1]:])
+    from .backends import load, to_backend
+    from .lm import logits, logits_step
+
+    xp, p = load(backend).namespace(), {k: to_backend(v, backend) for k, v in params.items()}
+    no_grad = __import__("torch").inference_mode() if backend == "torch" else contextlib.nullcontext()
+    with no_grad:
+        out, state = logits(to_backend(ids, backend), p, config=config, return_state=True)
+        tokens, times = [xp.argmax(out[:, -1, :], axis=-1)], []
+        for _ in range(DECODE_STEPS):
+            start = clock()
+            out, state = logits_step(tokens[-1], state, p, config=config)
+            tokens.append(xp.argmax(out, axis=-1))
+            times.append(clock() - start)
+    return times, np.stack([_host(t) for t in tokens], axis=1)
+
+
+def run_case(case: Case, backends: list[str], repeats: int, clock: Clock = time.perf_counter) -> list[Row]:
+    """Measures one case on each backend that applies, then fills ratios and agreement checks."""
+    import numpy as np
+
+    from .params import init_params
+
+    params, rng = init_params(case.config, seed=0), np.random.default_rng(1)
+    if case.part == "decode":
+        x = rng.integers(0, case.config.vocab_size, (case.batch, case.length))
+        backends = [b for b in backends if b != "jax"]
+    else:
+        x = rng.standard_normal((case.batch, case.length, case.config.d_model)).astype(np.float32)
+        backends = [b for b in backends if case.part == "forward" or b in ("torch", "transformers")]
+    rows, outputs = [], {}
+    for backend in backends:
+        if case.part == "decode":
+            times, outputs[backend] = _decode(backend, case.config, params, x, clock)
+            rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None))
+            continue
+        fn = _forward_fn(backend, case.config, params, x, case.part == "train")
+        seconds, runs, first, peak, out = measure(fn, repeats, clock)
+        outputs[backend] = _host(out)
+        rows.append(Row(case, backend, seconds, runs, first, peak))
+    ref = outputs.get("transformers", outputs.get("numpy"))
+    base = next((r.seconds for r in rows if r.backend == "transformers"), None)
+    for row in rows:
+        row.ratio = None if base is None else base / row.seconds
+        got = outputs[row.backend]
+        if ref is not None and case.part == "decode":
+            row.check = f"{int((got == ref).sum())}/{ref.size}"
+        elif ref is not None:
+            row.check = f"{float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30)):.1e}"
+    return rows
+
+
+def sgemm_gflops(n: int, repeats: int = 3, clock: Clock = time.perf_counter) -> float:
+    """This machine's float32 matmul rate: numpy ``[n, n] @ [n, n]``, median of ``repeats``."""
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((2, n, n)).astype(np.float32)
+    seconds, *_ = measure(lambda: a[0] @ a[1], repeats, clock)
+    return 2 * n**3 / seconds / 1e9
+
+
+def blas_info() -> str:
+    """numpy's BLAS and, for OpenBLAS, the kernel it runs (through threadpoolctl when installed)."""
+    import ctypes
+    import glob
+
+    import numpy as np
+
+    try:
+        from threadpoolctl import threadpool_info
+
+        return "; ".join(f"{i['internal_api']} {i.get('version')} {i.get('architecture')} "
+                         f"threads={i['num_threads']}" for i in threadpool_info())
+    except ImportError:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    info = f"{blas['name']} {blas.get('version', '')}"
+    for path in glob.glob(os.path.join(os.path.dirname(np.__path__[0]), "numpy.libs", "*openblas*")):
+        lib = ctypes.CDLL(path)
+        for symbol, label in (("scipy_openblas_get_corename64_", "kernel"),
+                              ("scipy_openblas_get_num_threads64_", "threads")):
+            fn = getattr(lib, symbol, None)
+            if fn is not None:
+                fn.restype = ctypes.c_char_p if label == "kernel" else ctypes.c_int
+                value = fn()
+                info += f", {label} {value.decode() if isinstance(value, bytes) else value}"
+    return info
+
+
+def _machine() -> list[str]:
+    import numpy as np
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = _proc_kib("/proc/meminfo", "MemTotal")
+    lines = [f"CPU: {cpu}, {os.cpu_count()} logical cores" + (f", {mem / 2**20:.0f} GiB RAM" if mem else ""),
+             f"OS: {platform.platform()}; Python {platform.python_version()}; numpy {np.__version__}",
+             f"BLAS: {blas_info()}"]
+    for name in ("torch", "jax", "transformers"):
+        module = sys.modules.get(name)
+        if module is not None:
+            threads = f" ({module.get_num_threads()} threads)" if name == "torch" else ""
+            lines.append(f"{name} {module.__version__}{threads}")
+    return lines
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _tables(rows: list[Row], sgemm: float) -> list[str]:
+    out = []
+    for part, title in (("forward", "Forward (inference)"), ("train", "Training step (forward + backward)")):
+        if any(r.case.part == part for r in rows):
+            out += [f"## {title}", "", "| shape | b | l | backend | median ms | runs | first ms "
+                    "| x transformers | GFLOP/s | % sgemm | peak MiB | rel err |", "|" + "---|" * 12]
+        for r in (r for r in rows if r.case.part == part):
+            rate = forward_flops(r.case.config, r.case.batch, r.case.length) * (3 if part == "train" else 1)
+            rate /= r.seconds * 1e9
+            out.append(f"| {r.case.name} | {r.case.batch} | {r.case.length} | {r.backend} "
+                       f"| {r.seconds * 1e3:.1f} | {r.runs} | {r.first_s * 1e3:.0f} | {_fmt(r.ratio, '.2f')} "
+                       f"| {rate:.1f} | {100 * rate / sgemm:.0f} | {_fmt(r.peak_mib, '.0f')} | {r.check} |")
+        out += [""] if any(r.case.part == part for r in rows) else []
+    decode = [r for r in rows if r.case.part == "decode"]
+    if decode:
+        out += ["## Decode (greedy; tokens/s = b / median step time)", "",
+                "| model | b | backend | ms / step | tokens/s | x transformers | tokens equal to ref |",
+                "|" + "---|" * 7]
+        out += [f"| {r.case.name} | {r.case.batch} | {r.backend} | {r.seconds * 1e3:.2f} "
+                f"| {r.case.batch / r.seconds:.0f} | {_fmt(r.ratio, '.2f')} | {r.check} |" for r in decode]
+        out.append("")
+    return out
+
+
+def scaling_curves(rows: list[Row]) -> dict[str, list[tuple[int, float]]]:
+    """Forward seconds vs length of the one-layer rows, per backend: ``{backend: [(l, s), ...]}``."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r.case.part == "forward" and r.case.name == "130m-layer":
+            curves.setdefault(r.backend, []).append((r.case.length, r.seconds))
+    return curves
+
+
+def _scaling_table(curves: dict[str, list[tuple[int, float]]]) -> list[str]:
+    lengths = sorted({n for pts in curves.values() for n, _ in pts})
+    lines = ["## Time vs length (forward, one 130m layer, b=1)", "",
+             "| backend | " + " | ".join(f"l={n}" for n in lengths) + " | t(l_max)/t(l_min) |",
+             "|" + "---|" * (len(lengths) + 2)]
+    for backend, pts in curves.items():
+        times = dict(pts)
+        lines.append(f"| {backend} | " + " | ".join(f"{times[n] * 1e3:.0f} ms" if n in times else "-"
+                                                   for n in lengths) +
+                     f" | {pts[-1][1] / pts[0][1]:.1f} for {pts[-1][0] // pts[0][0]}x tokens |")
+    return lines + ["", "![time vs length](scaling.png)", ""]
+
+
+def plot_scaling(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
+    """Log-log time vs length, one line per backend, with a linear-in-l guide; a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for backend, pts in curves.items():
+        ax.plot([n for n, _ in pts], [s for _, s in pts], marker="o", label=backend)
+    n0, s0 = min(min(pts) for pts in curves.values())
+    ends = [n0, max(n for pts in curves.values() for n, _ in pts)]
+    ax.plot(ends, [s0 * n / n0 for n in ends], "k:", label="linear in l")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length l", ylabel="forward time (s)",
+           title="Mamba-2 layer (130m shape) forward time vs length")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _targets(rows: list[Row], sgemm: float, curves: dict[str, list[tuple[int, float]]]) -> list[str]:
+    lines = []
+    for r in rows:
+        where = f"{r.case.name} l={r.case.length}"
+        if r.ratio is not None and r.case.part == "forward" and r.backend in ("numpy", "torch") and (
+                r.case.name == "seed" or r.case.length in (2048, 8192)):
+            lines.append(f"{r.backend} forward {where}: {r.ratio:.2f}x transformers (target >= 2)")
+        if r.ratio is not None and r.case.part == "train" and r.backend == "torch":
+            lines.append(f"torch train {where}: {r.ratio:.2f}x transformers (target >= 1.5)")
+        if (r.case.part, r.case.name, r.case.length, r.backend) == ("forward", "130m-layer", 8192, "numpy"):
+            pct = 100 * forward_flops(r.case.config, 1, 8192) / r.seconds / 1e9 / sgemm
+            lines.append(f"numpy forward {where}: {pct:.0f}% of sgemm (target >= 60%)")
+    for backend, pts in curves.items():
+        times = dict(pts)
+        if 2048 in times and 32768 in times:
+            lines.append(f"{backend}: t(32768)/t(2048) = {times[32768] / times[2048]:.1f} (target <= 18)")
+    return ["## Targets", ""] + [f"- {line}" for line in lines] + [""] if lines else []
+
+
+def write_results(rows: list[Row], sgemm: float, out: Path, notes: list[str]) -> Path:
+    """Writes ``RESULTS.md`` (and ``scaling.png`` when there are length rows) into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    curves = scaling_curves(rows)
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    text = ["# portable_ssm benchmarks", "", f"Date: {date}", ""]
+    text += [f"- {line}" for line in _machine() + notes]
+    text += [f"- sgemm (numpy float32 matmul, same run): {sgemm:.1f} GFLOP/s", "", FLOP_NOTE, ""]
+    text += _targets(rows, sgemm, curves) + _tables(rows, sgemm)
+    if curves:
+        text += _scaling_table(curves)
+        plot_scaling(curves, out / "scaling.png")
+    path = out / "RESULTS.md"
+    path.write_text("\n".join(text))
+    return path
+
+
+def _set_threads(threads: int | None) -> list[str]:
+    """Before any framework loads: drops OpenBLAS settings tuned for another CPU and applies
+    ``--threads``. Returns notes for RESULTS.md."""
+    if "numpy" in sys.modules:
+        return ["numpy was imported before the runner: BLAS environment left as it was"]
+    notes = [f"unset for this run: {k}={os.environ.pop(k)}" for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+             if k in os.environ]
+    if threads is not None:
+        os.environ.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                          MKL_NUM_THREADS=str(threads))
+        if threads == 1:
+            os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        notes.append(f"--threads {threads}: every library limited to {threads} thread(s)")
+    return notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``portable-ssm bench``: runs the parts asked for and writes RESULTS.md and scaling.png."""
+    parser = argparse.ArgumentParser(prog="portable-ssm bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run under a minute")
+    parser.add_argument("--max-len", type=int, default=None, help="leave out lengths above this")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma list (default: all installed)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per row after one warm-up")
+    parser.add_argument("--threads", type=int, default=None, help="threads for every library")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                        help="wall time, or this process's CPU time (steadier on a shared machine; "
+                             "meaningful with --threads 1 only)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="folder for the results")
+    args = parser.parse_args(argv)
+    parts = tuple(p.strip() for p in args.only.split(",") if p.strip())
+    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for bad in [p for p in parts if p not in PARTS] + [b for b in wanted if b not in BACKENDS]:
+        parser.error(f"unknown part or backend {bad!r}: parts {PARTS}, backends {BACKENDS}")
+    notes = _set_threads(args.threads)
+    import importlib.util
+
+    from tqdm import tqdm
+
+    backends = [b for b in wanted if importlib.util.find_spec(b) is not None]
+    if "torch" not in backends:
+        backends = [b for b in backends if b != "transformers"]
+    notes += [f"skipped (not installed): {b}" for b in wanted if b not in backends]
+    notes += [f"load average at start: {', '.join(f'{v:.1f}' for v in os.getloadavg())}",
+              "jax rows time `jax.jit(forward)`; their first ms includes the compile",
+              f"decode: {PROMPT}-token prompt, then {DECODE_STEPS} greedy steps timed one by one "
+              "(portable_ssm.lm.logits_step + argmax; transformers: generate(use_cache=True))"]
+    clock = CLOCKS[args.clock]
+    if args.clock == "cpu":
+        notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
+    sgemm = sgemm_gflops(1024 if args.quick else 4096, clock=clock)
+    rows: list[Row] = []
+    for case in tqdm(cases(parts, args.quick, args.max_len), desc="bench", unit="shape"):
+        rows += run_case(case, backends, args.repeats, clock)
+    notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
+    print(f"wrote {write_results(rows, sgemm, args.out, notes)}")
+    return 0

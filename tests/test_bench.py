@@ -1,0 +1,55 @@
+"""The benchmark runner (portable_ssm.bench): a quick run writes its table and plot; transformers is
+given the same weights; the parts select their shapes. Timings are never asserted."""
+
+from __future__ import annotations
+
+import pytest
+
+from portable_ssm import bench
+
+
+def test_quick_numpy_run_writes_a_markdown_table_and_a_png(tmp_path):
+    pytest.importorskip("tqdm")
+    pytest.importorskip("matplotlib")
+    assert bench.main(["--quick", "--backends", "numpy", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "| shape | b | l | backend | median ms |" in text
+    for row in ("| seed | 2 | 24 | numpy |", "| 130m-layer | 1 | 64 | numpy |",
+                "| 130m-layer | 1 | 256 | numpy |", "| tiny-lm | 1 | numpy |", "| tiny-lm | 8 | numpy |"):
+        assert row in text, row
+    assert "sgemm (numpy float32 matmul, same run):" in text and "FLOP count" in text
+    png = (tmp_path / "scaling.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+
+def test_parts_and_max_len_choose_the_shapes():
+    shapes = bench.cases(("scaling",), quick=False, max_len=8192)
+    assert [(c.name, c.length) for c in shapes] == [("130m-layer", n) for n in (512, 2048, 8192)]
+    train = bench.cases(("train",), quick=False, max_len=None)
+    assert max(c.length for c in train) == bench.TRAIN_MAX_LEN
+    decode = bench.cases(("decode",), quick=False, max_len=None)
+    assert [(c.batch, c.config.n_layer, c.config.vocab_size, c.config.d_model) for c in decode] == [
+        (1, 24, 50280, 768), (8, 24, 50280, 768)]
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread while the test runs: on a busy small machine, two spinning OpenMP threads
+    make tiny torch calls 10-100x slower (speed is not what these tests check)."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_transformers_runs_the_same_weights_and_sets_the_ratios(one_torch_thread):
+    pytest.importorskip("transformers")
+    seed, _, lm = bench.QUICK
+    rows = bench.run_case(bench.Case("forward", "seed", seed, 2, 24), ["numpy", "transformers"], repeats=2)
+    numpy_row = next(r for r in rows if r.backend == "numpy")
+    assert float(numpy_row.check) < 1e-5  # portable_ssm's output vs transformers' on the same weights
+    assert numpy_row.ratio is not None and numpy_row.ratio > 0
+    rows = bench.run_case(bench.Case("decode", "tiny-lm", lm, 2, bench.PROMPT), ["numpy", "transformers"], 2)
+    tokens = 2 * (bench.DECODE_STEPS + 1)
+    assert [r.check for r in rows] == [f"{tokens}/{tokens}"] * 2  # greedy tokens agree step by step
