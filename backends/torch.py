@@ -1,17 +1,31 @@
 """PyTorch: conversion, devices, the native conv1d fast path, and (for training) the nn.Module adapter.
 
 The core runs unchanged on torch tensors through array_api_compat, so autograd, ``torch.compile``
-and autocast see ordinary torch ops.
+and autocast see ordinary torch ops. :class:`Mamba2Module` / :class:`Mamba2LMModule` register the
+core's parameters as ``nn.Parameter``s under their checkpoint names and call the core in forward;
+:func:`param_groups`, :func:`detach_state` and :func:`optimizer_state` /
+:func:`load_optimizer_state` are the training helpers around them.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import array_api_compat.torch as xp
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from portable_ssm import lm
+from portable_ssm import model as core_model
+from portable_ssm.config import Mamba2Config
+from portable_ssm.mixer import _linear, mixer
+from portable_ssm.model import Mamba2State
+from portable_ssm.model import forward as core_forward
+from portable_ssm.params import check_params, init_params
 
 
 def namespace() -> Any:
@@ -23,7 +37,8 @@ def dtype(name: str) -> Any:
 
 
 def asarray(host: Any, dtype_name: str | None, device: Any) -> Any:
-    out = torch.from_numpy(np.ascontiguousarray(host))
+    host = np.asarray(host)
+    out = torch.from_numpy(np.ascontiguousarray(host).reshape(host.shape))  # keeps 0-d arrays 0-d
     return out.to(device=device, dtype=None if dtype_name is None else dtype(dtype_name))
 
 
@@ -56,3 +71,220 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d}
+
+
+# --- Training: an nn.Module whose forward is the array-API core (no second implementation) ---
+
+_NO_DECAY_LEAVES = ("A_log", "D", "dt_bias", "bias")
+_NORM_MODULES = ("norm", "norm_f")
+
+
+def _dtype_name(value: torch.dtype | str | None) -> str:
+    """``torch.bfloat16`` / ``"bfloat16"`` / None (float32) as a dtype name."""
+    return "float32" if value is None else str(value).split(".")[-1]
+
+
+def _attach(root: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Registers ``value`` as an ``nn.Parameter`` at the dotted ``name`` under ``root``, creating the
+    modules on the way, so ``root.state_dict()`` keys equal the core's parameter names."""
+    parts = name.split(".")
+    module = root
+    for i, part in enumerate(parts[:-1]):
+        child = dict(module.named_children()).get(part)
+        if child is None:
+            child = nn.ModuleList() if parts[i + 1].isdigit() else nn.Module()  # layers[i] indexes
+            module.add_module(part, child)
+        module = child
+    module.register_parameter(parts[-1], nn.Parameter(value))
+
+
+def _checkpointed_mixer(*args: Any, **kwargs: Any) -> Any:
+    """The core's ``mixer`` under ``torch.utils.checkpoint``: its activations are recomputed in backward."""
+    return torch.utils.checkpoint.checkpoint(mixer, *args, use_reentrant=False, **kwargs)
+
+
+def decays(name: str) -> bool:
+    """Whether the parameter called ``name`` (any prefix) gets weight decay: not A_log, D, dt_bias,
+    biases or norm weights (mamba_ssm's ``_no_weight_decay`` rule)."""
+    parts = name.split(".")
+    return parts[-1] not in _NO_DECAY_LEAVES and not any(p in _NORM_MODULES for p in parts)
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two optimizer groups for any module holding a Mamba-2: decayed weights, and the rest with
+    ``weight_decay=0`` (see :func:`decays`). Each group also lists its parameter ``names``."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    groups = []
+    for wanted, wd in ((True, weight_decay), (False, 0.0)):
+        chosen = [(n, p) for n, p in named if decays(n) is wanted]
+        groups.append({"params": [p for _, p in chosen], "names": [n for n, _ in chosen], "weight_decay": wd})
+    return groups
+
+
+def detach_state(state: Mamba2State) -> Mamba2State:
+    """The state with its history cut from the graph: truncated BPTT between segments."""
+    return Mamba2State(conv=tuple(t.detach() for t in state.conv), ssm=tuple(t.detach() for t in state.ssm))
+
+
+class Mamba2Module(nn.Module):
+    """The Mamba-2 backbone as an ``nn.Module``: ``x [b, l, d_model] -> [b, l, d_model]``.
+
+    Its ``nn.Parameter``s sit under the core's names (``state_dict()`` keys are the checkpoint
+    names, e.g. ``layers.0.mixer.in_proj.weight``) and start as ``init_params(config, seed=seed)``.
+    ``forward`` hands them to :func:`portable_ssm.forward` as the params dict, so autograd,
+    ``torch.compile`` and ``torch.autocast`` see the core's own torch ops.
+
+    Args:
+        config: the model's :class:`~portable_ssm.Mamba2Config`.
+        dtype: parameter dtype (``torch.float32`` default; bf16/fp16 compute in float32 inside).
+        device: where the parameters live.
+        seed: the ``init_params`` seed.
+        checkpoint_blocks: recompute each layer's mixer in backward (``torch.utils.checkpoint``)
+            instead of keeping its activations, while gradients are being recorded.
+    """
+
+    def __init__(self, config: Mamba2Config, *, dtype: torch.dtype | str | None = None, device: Any = None,
+                 seed: int = 0, checkpoint_blocks: bool = False) -> None:
+        super().__init__()
+        if not isinstance(config, Mamba2Config):
+            raise TypeError(f"config: expected a Mamba2Config, got {type(config).__name__}")
+        self.config = config
+        self.checkpoint_blocks = bool(checkpoint_blocks)
+        params = init_params(config, seed=seed, backend="torch", dtype=_dtype_name(dtype), device=device)
+        for name, value in params.items():
+            _attach(self, name, value)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The core's parameter dict: this module's own Parameters under their checkpoint names."""
+        return dict(self.named_parameters())
+
+    def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        """Optimizer groups exempting A_log, D, dt_bias, norms and biases from decay."""
+        return param_groups(self, weight_decay)
+
+    def forward(self, x: torch.Tensor, initial_state: Mamba2State | None = None, return_state: bool = False,
+                seq_idx: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, Mamba2State]:
+        """``x [b, l, d_model]`` (the parameters' dtype) -> ``y [b, l, d_model]``, or ``(y, state)``
+        with ``return_state``. ``initial_state`` continues an earlier segment (see
+        :func:`detach_state`); ``seq_idx [b, l]`` marks packed sequences (``portable_ssm.collate``)."""
+        x = self._autocast_input(x)
+        params = self.params()
+        if self._checkpointing():
+            xp = check_params(params, self.config)
+            shapes = core_model._check_x(x, params, self.config, ("b", "l", "d_model"), xp=xp)
+            run = core_model._sequence_mixer(seq_idx, shapes, "x", x, xp=xp, layer=_checkpointed_mixer)
+            y, state = self._checkpointed(x, params, initial_state, shapes, run, xp=xp)
+        else:
+            y, state = core_forward(x, params, config=self.config, initial_state=initial_state,
+                                    return_state=True, seq_idx=seq_idx)
+        return (y, self._conv_in_param_dtype(state)) if return_state else y
+
+    def _param_dtype(self) -> torch.dtype:
+        return next(iter(self.parameters())).dtype
+
+    def _autocast_input(self, x: Any) -> Any:
+        """Under ``torch.autocast`` the layer before hands over bf16/fp16 activations while the core
+        wants the parameters' dtype (its SSM math runs in float32 regardless): cast them back.
+        Outside autocast a dtype mismatch stays the core's TypeError."""
+        dtype = self._param_dtype()
+        if (torch.is_tensor(x) and x.is_floating_point() and x.dtype != dtype
+                and torch.is_autocast_enabled(x.device.type)):
+            return x.to(dtype)
+        return x
+
+    def _conv_in_param_dtype(self, state: Mamba2State) -> Mamba2State:
+        """Conv states in the parameters' dtype: under autocast the conv saw bf16 activations, but a
+        state passed back as ``initial_state`` must have x's dtype (SSM states stay float32)."""
+        dtype = self._param_dtype()
+        return Mamba2State(conv=tuple(c.to(dtype) for c in state.conv), ssm=state.ssm)
+
+    def _checkpointing(self) -> bool:
+        return self.checkpoint_blocks and torch.is_grad_enabled()
+
+    def _checkpointed(self, x: torch.Tensor, params: dict[str, torch.Tensor], initial_state: Any,
+                      shapes: Any, run: Any, *, xp: Any) -> tuple[torch.Tensor, Mamba2State]:
+        """The core's block loop with ``run`` (a checkpointed mixer) once x and the params are checked."""
+        if initial_state is not None:
+            core_model._check_state(initial_state, self.config, x, shapes, "initial_state", xp=xp)
+        return core_model.run_sequence(x, params, self.config, initial_state, run, xp=xp)
+
+
+class Mamba2LMModule(Mamba2Module):
+    """A Mamba-2 language model: ``input_ids [b, l]`` (integers) -> logits ``[b, l, padded_vocab]``,
+    with the embedding and the (tied by default) head of ``config``; forward is
+    :func:`portable_ssm.lm.logits`. Arguments as :class:`Mamba2Module`."""
+
+    def __init__(self, config: Mamba2Config, **kwargs: Any) -> None:
+        if isinstance(config, Mamba2Config) and config.vocab_size is None:
+            raise ValueError("config.vocab_size: a language model needs a vocabulary, got None")
+        super().__init__(config, **kwargs)
+
+    def forward(self, input_ids: torch.Tensor, initial_state: Mamba2State | None = None,
+                return_state: bool = False, seq_idx: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, Mamba2State]:
+        """``input_ids [b, l]`` -> logits ``[b, l, padded_vocab]`` (float32 for float32 parameters),
+        or ``(logits, state)``; arguments as :meth:`Mamba2Module.forward`."""
+        params = self.params()
+        if self._checkpointing():
+            xp = check_params(params, self.config)
+            shapes = lm._check_ids(input_ids, self.config, ("b", "l"), xp=xp)
+            run = core_model._sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp,
+                                             layer=_checkpointed_mixer)
+            hidden, state = self._checkpointed(lm.embed(input_ids, params, xp=xp), params, initial_state,
+                                               shapes, run, xp=xp)
+            out = _linear(hidden, lm.head_weight(params, self.config), None, xp=xp)  # [b, l, padded_vocab]
+        else:
+            out, state = lm.logits(input_ids, params, config=self.config, initial_state=initial_state,
+                                   return_state=True, seq_idx=seq_idx)
+        return (out, self._conv_in_param_dtype(state)) if return_state else out
+
+
+# --- Optimizer state as named tensors, for safetensors checkpoints (never pickle) ---
+
+def _param_order(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[str]:
+    """The names of the optimizer's parameters in its ``state_dict`` index order."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError("optimizer: it holds a parameter that is not one of the module's")
+            order.append(names[id(p)])
+    return order
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The optimizer's state as ``{"{param name}/{key}": tensor}`` plus string metadata (groups'
+    hyper-parameters and non-tensor state as JSON), ready for ``checkpoint.save_arrays``."""
+    order = _param_order(optimizer, module)
+    saved = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, fields in saved["state"].items():
+        for key, value in fields.items():
+            if torch.is_tensor(value):
+                tensors[f"{order[index]}/{key}"] = value
+            else:
+                scalars.setdefault(order[index], {})[key] = value
+    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]
+    return tensors, {"optimizer_groups": json.dumps(groups), "optimizer_scalars": json.dumps(scalars)}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, tensors: dict[str, Any],
+                         metadata: dict[str, str]) -> None:
+    """Restores what :func:`optimizer_state` returned (e.g. read back with ``load_arrays``).
+    ValueError naming the tensor when one belongs to no parameter of ``module``."""
+    order = _param_order(optimizer, module)
+    index = {name: i for i, name in enumerate(order)}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        name, _, field = key.rpartition("/")
+        if name not in index:
+            raise ValueError(f"optimizer state: tensor {key!r} belongs to no parameter of the module")
+        state.setdefault(index[name], {})[field] = value
+    for name, fields in json.loads(metadata.get("optimizer_scalars", "{}")).items():
+        state.setdefault(index[name], {}).update(fields)
+    groups = json.loads(metadata["optimizer_groups"])
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in groups]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -11,9 +11,11 @@ Public API:
     to_backend, cast_params                  moving arrays between libraries, devices, dtypes
     collate, unpack, to_padded, Batch        padded or packed batches of variable-length sequences
     load_pretrained, Mamba2LM                pretrained checkpoints (transformers / state-spaces), generation
+    save_params, load_params                 safetensors checkpoints in core names (never pickle)
 """
 
 from .backends import to_backend
+from .checkpoint import CheckpointError, load_arrays, load_params, save_arrays, save_params
 from .config import Mamba2Config, default_config
 from .data import Batch, collate, to_padded, unpack
 from .discretize import discretize
@@ -26,7 +28,8 @@ from .ssd import choose_chunk_size, ssd_scan
 __version__ = "0.1.0"
 
 __all__ = [
-    "Batch", "Mamba2Config", "Mamba2LM", "Mamba2State", "cast_params", "check_params", "choose_chunk_size",
-    "collate", "default_config", "discretize", "empty_state", "forward", "init_params", "load_pretrained",
-    "param_shapes", "selective_scan", "ssd_scan", "ssd_step", "step", "to_backend", "to_padded", "unpack",
+    "Batch", "CheckpointError", "Mamba2Config", "Mamba2LM", "Mamba2State", "cast_params", "check_params",
+    "choose_chunk_size", "collate", "default_config", "discretize", "empty_state", "forward", "init_params",
+    "load_arrays", "load_params", "load_pretrained", "param_shapes", "save_arrays", "save_params", "selective_scan",
+    "ssd_scan", "ssd_step", "step", "to_backend", "to_padded", "unpack",
 ]
