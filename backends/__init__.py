@@ -11,6 +11,7 @@ Each backend module provides ``namespace()``, ``asarray(host, dtype, device)``,
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -37,11 +38,15 @@ def load(name: str) -> ModuleType:
 
 
 def fast_op(xp: Namespace, op: str) -> Callable[..., Any] | None:
-    """The native implementation of ``op`` for ``xp``'s backend, or None to use the reference."""
+    """The native implementation of ``op`` for ``xp``'s backend, or None to use the reference.
+
+    Reads the backend module from ``sys.modules`` once it is loaded (no import machinery on the hot
+    path, which also keeps ``torch.compile`` from breaking its graph here)."""
     name = backend_name(xp)
     if name not in NAMES:
         return None
-    return load(name).FAST_OPS.get(op)
+    module = sys.modules.get(f"{__name__}.{name}") or load(name)
+    return module.FAST_OPS.get(op)
 
 
 def to_backend(x: Array, backend: str, *, device: Any = None, dtype: str | None = None) -> Array:
