@@ -42,16 +42,21 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def pass_states(state: Any, decay: Any, S: Any) -> tuple[Any, Any]:
-    """``jax.lax.scan`` version of ``portable_ssm.ssd.pass_states_ref``: the chunk recurrence
-    ``S_in[c+1] = decay[c] · S_in[c] + S[c]`` traced once instead of unrolled per chunk."""
+def pass_states(state: Any, decay: Any, Bt: Any, X: Any, C: Any) -> tuple[Any, Any]:
+    """``jax.lax.scan`` version of ``portable_ssm.ssd.pass_states_ref``: per chunk, the entering
+    state read by C, then ``S_in[c+1] = decay[c] · S_in[c] + B_cᵀ X_c``; traced once instead of
+    unrolled per chunk."""
+    b, g, n, r, p = state.shape
 
-    def body(carry: Any, inputs: tuple[Any, Any]) -> tuple[Any, Any]:
-        decay_c, S_c = inputs
-        return decay_c * carry + S_c, carry
+    def body(carry: Any, chunk: tuple[Any, Any, Any, Any]) -> tuple[Any, Any]:
+        decay_c, Bt_c, X_c, C_c = chunk
+        out = jnp.matmul(C_c, jnp.reshape(carry, (b, g, n, r * p)))  # [b, g, Q, r·p]
+        added = jnp.reshape(jnp.matmul(Bt_c, X_c), carry.shape)  # [b, g, n, r·p] -> [b, g, n, r, p]
+        return decay_c * carry + added, out
 
-    final, entering = jax.lax.scan(body, state, (jnp.moveaxis(decay, 1, 0), jnp.moveaxis(S, 1, 0)))
-    return jnp.moveaxis(entering, 0, 1), final  # [c, b, ...] -> [b, c, ...]
+    chunks = tuple(jnp.moveaxis(v, 1, 0) for v in (decay, Bt, X, C))  # [b, c, ...] -> [c, b, ...]
+    final, outputs = jax.lax.scan(body, state, chunks)
+    return jnp.moveaxis(outputs, 0, 1), final  # [c, b, g, Q, r·p] -> [b, c, g, Q, r·p]
 
 
 FAST_OPS: dict[str, Any] = {"pass_states": pass_states}

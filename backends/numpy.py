@@ -1,5 +1,5 @@
 """NumPy: the host backend. It also owns the random generator ``init_params`` draws from, so
-every backend starts from the same numbers for the same seed."""
+every backend starts from the same numbers for the same seed, and a tiled causal conv."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 import array_api_compat.numpy as xp
 import numpy as np
 
-FAST_OPS: dict[str, Any] = {}
+#: Time steps per tile of the native conv: every tap of a tile stays in cache while it is summed.
+CONV_TILE_STEPS = 32
 
 
 def namespace() -> Any:
@@ -39,3 +40,35 @@ def to_numpy(x: Any) -> np.ndarray:
 def rng(seed: int) -> np.random.Generator:
     """The generator behind ``init_params(seed=...)``."""
     return np.random.default_rng(seed)
+
+
+def causal_conv1d(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+                  state: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Tiled version of ``portable_ssm.conv.causal_conv1d_ref``: the same sum of k shifted slices,
+    accumulated in place tile by tile of CONV_TILE_STEPS steps, so a tile's taps are read from
+    cache rather than memory (about 2x on a 1024-step block of a 130m layer).
+    ``x [b, l, d]``, weight ``[d, k]``, state ``[b, d, k]`` or None -> ``(y [b, l, d], state [b, d, k])``."""
+    b, l, d = x.shape
+    k = weight.shape[-1]
+    dtype = np.result_type(x, weight, *(() if bias is None else (bias,)))
+    if state is None:
+        history = np.zeros((b, k - 1, d), dtype=x.dtype)
+    else:
+        history = np.swapaxes(state[:, :, 1:], 1, 2).astype(x.dtype, copy=False)  # [b, k-1, d]
+    padded = np.concatenate([history, x], axis=1)  # [b, k-1+l, d]
+    taps = np.ascontiguousarray(weight.T)  # [k, d]
+    y = np.empty((b, l, d), dtype=dtype)
+    scratch = np.empty((b, min(CONV_TILE_STEPS, l), d), dtype=dtype)
+    for start in range(0, l, CONV_TILE_STEPS):
+        stop = min(start + CONV_TILE_STEPS, l)
+        out, term = y[:, start:stop], scratch[:, :stop - start]
+        np.multiply(padded[:, start:stop], taps[0], out=out)
+        for j in range(1, k):
+            np.multiply(padded[:, start + j:stop + j], taps[j], out=term)
+            out += term
+        if bias is not None:
+            out += bias
+    return y, np.swapaxes(padded[:, l - 1:], 1, 2)  # last k inputs, [b, d, k]
+
+
+FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d}

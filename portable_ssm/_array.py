@@ -96,14 +96,11 @@ def softplus(x: Array, *, xp: Namespace) -> Array:
     return xp.maximum(x, 0.0) + xp.log1p(xp.exp(-xp.abs(x)))
 
 
-def sigmoid(x: Array, *, xp: Namespace) -> Array:
-    """``1 / (1 + exp(-x))`` via tanh, finite for every finite input."""
-    return 0.5 * (1.0 + xp.tanh(0.5 * x))
-
-
 def silu(x: Array, *, xp: Namespace) -> Array:
-    """``x * sigmoid(x)``."""
-    return x * sigmoid(x, xp=xp)
+    """``x * sigmoid(x)``, as ``h + h·tanh(h)`` with ``h = x/2`` (sigmoid(x) = (1 + tanh(x/2)) / 2):
+    finite for every finite input, and four passes over x instead of five."""
+    half = 0.5 * x
+    return half + half * xp.tanh(half)
 
 
 def zeros_like_shape(xp: Namespace, shape: tuple[int, ...], like: Array, dtype: Any = None) -> Array:

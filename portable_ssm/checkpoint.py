@@ -7,27 +7,27 @@ do the same for any named arrays (optimizer state, task heads), without a config
 NumPy has no bfloat16, so bf16/fp16 arrays are stored widened to float32 (exact) and the
 ``dtypes`` metadata entry narrows them again on load unless ``dtype=`` says otherwise.
 
-Before safetensors reads a file, its header is parsed here (8-byte little-endian length, JSON
-header with ``dtype``, ``shape`` and ``data_offsets`` per tensor), so a truncated or corrupt file
-raises :class:`CheckpointError` naming the file and the first tensor that is cut or malformed.
+Files are read and written by :mod:`portable_ssm.backends.safetensors_io` with NumPy alone (the
+``safetensors`` package is not needed): the header is checked against the file size before any
+data is read, so a truncated or corrupt file raises :class:`CheckpointError` naming the file and
+the first tensor that is cut or malformed.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._array import Array, array_backend, dtype_name
 from .backends import load, to_backend
 from .config import Mamba2Config
 from .params import Params, check_params, param_shapes
 
+if TYPE_CHECKING:
+    from .backends.safetensors_io import Contents
+
 FORMAT = "portable_ssm.v1"
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
 _RESERVED = ("format", "config", "dtype", "dtypes")
 
 
@@ -37,39 +37,54 @@ class CheckpointError(ValueError):
 
 def save_arrays(path: str | os.PathLike, arrays: dict[str, Array], *,
                 metadata: dict[str, str] | None = None) -> None:
-    """Writes named arrays (any backend, any floating or integer dtype) to a safetensors file.
+    """Writes named arrays (any backend; floating, integer or bool) to a safetensors file.
 
     The file is written next to ``path`` and renamed over it, so a crash never leaves half a file
     under the final name. ``metadata`` values must be strings.
     """
-    from safetensors.numpy import save_file
+    from .backends.safetensors_io import write_safetensors
 
     host, narrowed = {}, {}
     for key, value in arrays.items():
-        host[key] = load(array_backend(value)).to_numpy(value).copy(order="C")
+        host[key] = load(array_backend(value)).to_numpy(value)
         if dtype_name(value.dtype) != host[key].dtype.name:
             narrowed[key] = dtype_name(value.dtype)
     meta = dict(metadata or {})
     if narrowed:
         meta["dtypes"] = json.dumps(narrowed)
     tmp = f"{os.fspath(path)}.tmp"
-    save_file(host, tmp, metadata=meta)
+    write_safetensors(tmp, host, meta)
     os.replace(tmp, path)
 
 
 def load_arrays(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
                 device: Any = None) -> tuple[dict[str, Array], dict[str, str]]:
     """Reads a safetensors file: ``(arrays on backend, metadata)``. Arrays come back in the dtype
-    they were saved from (``dtype=`` casts every floating one instead). Raises
-    :class:`CheckpointError` naming the file and the tensor when it is truncated or corrupt."""
+    they were saved from (``dtype=`` casts every floating one instead; BF16 tensors of files not
+    written here come back float32). Raises :class:`CheckpointError` naming the file and the
+    tensor when it is truncated or corrupt."""
     path = os.fspath(path)
-    host, meta = _read_host(path)
+    return _on_backend(path, _read(path), backend, dtype, device)
+
+
+def _read(path: str) -> Contents:
+    """The safetensors file at ``path`` on the host (numpy arrays); numpy is imported here, not on import."""
+    from .backends.safetensors_io import read_safetensors
+
+    return read_safetensors(path)
+
+
+def _on_backend(path: str, contents: Contents, backend: str, dtype: str | None,
+                device: Any) -> tuple[dict[str, Array], dict[str, str]]:
+    """``contents`` on ``backend``: each array narrowed back to the dtype it was saved from (or its
+    floating ones cast to ``dtype``), and the metadata less the ``dtypes`` entry."""
+    meta = contents.metadata
     try:
         narrowed = json.loads(meta.get("dtypes", "{}"))
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path}: the 'dtypes' metadata is corrupt ({err})") from err
     out = {}
-    for key, value in host.items():
+    for key, value in contents.arrays.items():
         want = dtype if dtype is not None and value.dtype.kind == "f" else narrowed.get(key)
         out[key] = to_backend(value, backend, device=device, dtype=want)
     return out, {k: v for k, v in meta.items() if k != "dtypes"}
@@ -98,94 +113,36 @@ def load_params(path: str | os.PathLike, *, backend: str = "numpy", dtype: str |
     ``dtype`` and moved to ``device``). Raises :class:`CheckpointError` naming the file and the
     tensor for truncated, corrupt or mismatched files."""
     path = os.fspath(path)
-    header, _ = _parse_header(path)
-    meta = header.get("__metadata__") or {}
-    if "config" not in meta:
-        raise CheckpointError(f"{path}: no portable_ssm config in the metadata (not written by "
-                              f"save_params; for pretrained directories use load_pretrained)")
-    try:
-        config = Mamba2Config.from_dict(json.loads(meta["config"]))
-    except (json.JSONDecodeError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path}: the config in the metadata is corrupt ({err})") from err
+    contents = _read(path)
+    config = _config(path, contents.metadata)
     expected = param_shapes(config)
-    for key in header:
-        if key != "__metadata__" and key not in expected:
-            raise CheckpointError(f"{path}: unexpected tensor {key!r} for this config")
-    for key, shape in expected.items():
-        if key not in header:
-            raise CheckpointError(f"{path}: tensor {key!r} is missing")
-        if tuple(header[key]["shape"]) != shape:
-            raise CheckpointError(f"{path}: tensor {key!r} has shape {tuple(header[key]['shape'])}, "
-                                  f"expected {list(shape)} for this config")
-    arrays, meta = load_arrays(path, backend=backend, dtype=dtype, device=device)
+    _check_shapes(path, contents.arrays, expected)
+    arrays, meta = _on_backend(path, contents, backend, dtype, device)
     params = {k: arrays[k] for k in expected}
     if return_metadata:
         return params, config, {k: v for k, v in meta.items() if k not in _RESERVED}
     return params, config
 
 
-def _parse_header(path: str) -> tuple[dict[str, Any], int]:
-    """The safetensors JSON header, checked against the file size: ``(header, data_start)``."""
+def _config(path: str, metadata: dict[str, str]) -> Mamba2Config:
+    """The config a :func:`save_params` file carries in its metadata."""
+    if "config" not in metadata:
+        raise CheckpointError(f"{path}: no portable_ssm config in the metadata (not written by "
+                              f"save_params; for pretrained directories use load_pretrained)")
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated: {size} bytes, shorter than the 8-byte "
-                                      f"safetensors header length")
-            (length,) = struct.unpack("<Q", head)
-            if 8 + length > size:
-                raise CheckpointError(f"{path}: truncated or not a safetensors file: the header "
-                                      f"claims {length} bytes but the file has {size}")
-            header = json.loads(f.read(length))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: not a safetensors file: the header is not JSON ({err})") from err
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a safetensors file: the header is not a JSON object")
-    data_size = size - 8 - length
-    tensors = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
-                     key=lambda kv: tuple(kv[1].get("data_offsets", (0, 0))))
-    for key, info in tensors:
-        _check_entry(path, key, info, data_size)
-    return header, 8 + length
+        return Mamba2Config.from_dict(json.loads(metadata["config"]))
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: the config in the metadata is corrupt ({err})") from err
 
 
-def _check_entry(path: str, key: str, info: Any, data_size: int) -> None:
-    """CheckpointError naming ``key`` when its entry is malformed or its bytes lie past the end."""
-    try:
-        start, end = (int(v) for v in info["data_offsets"])
-        shape = [int(v) for v in info["shape"]]
-        itemsize = _ITEMSIZE[info["dtype"]]
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path}: tensor {key!r} has a malformed header entry {info!r}") from err
-    if end - start != math.prod(shape) * itemsize:
-        raise CheckpointError(f"{path}: tensor {key!r} is corrupt: {end - start} bytes for shape "
-                              f"{shape} of {info['dtype']}")
-    if end > data_size:
-        raise CheckpointError(f"{path}: truncated: tensor {key!r} needs bytes {start}..{end} of the "
-                              f"data section but the file holds only {data_size}")
-
-
-def _read_host(path: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every tensor of a checked safetensors file as numpy arrays, and its metadata."""
-    from safetensors import SafetensorError, safe_open
-
-    header, _ = _parse_header(path)
-    host = {}
-    try:
-        with safe_open(path, framework="numpy") as f:
-            for key in header:
-                if key != "__metadata__":
-                    host[key] = _get(f, path, key)
-    except SafetensorError as err:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from err
-    return host, dict(header.get("__metadata__") or {})
-
-
-def _get(f: Any, path: str, key: str) -> Any:
-    from safetensors import SafetensorError
-
-    try:
-        return f.get_tensor(key)
-    except (SafetensorError, TypeError) as err:
-        raise CheckpointError(f"{path}: tensor {key!r} cannot be read ({err})") from err
+def _check_shapes(path: str, arrays: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
+    """CheckpointError naming the first tensor that is unexpected, missing or misshapen."""
+    for key in arrays:
+        if key not in expected:
+            raise CheckpointError(f"{path}: unexpected tensor {key!r} for this config")
+    for key, shape in expected.items():
+        if key not in arrays:
+            raise CheckpointError(f"{path}: tensor {key!r} is missing")
+        if tuple(arrays[key].shape) != shape:
+            raise CheckpointError(f"{path}: tensor {key!r} has shape {tuple(arrays[key].shape)}, "
+                                  f"expected {list(shape)} for this config")

@@ -9,9 +9,9 @@ Three sources, never the network, never an arbitrary unpickle:
   or a ``.safetensors`` file;
 * a file written by :func:`portable_ssm.checkpoint.save_params` (or :meth:`Mamba2LM.save`).
 
-Safetensors files are read with numpy alone (bfloat16 widened to float32 exactly), so a
-numpy-only install loads them. Every checkpoint quirk (the ``backbone.`` prefix, the two embedding
-names, tied heads, padded vocabularies, D's shape) is fixed in :func:`sanitize`.
+Safetensors files are read with numpy alone (bfloat16 widened to float32 exactly, by
+:mod:`portable_ssm.backends.safetensors_io`), so a numpy-only install loads them. Every checkpoint
+quirk is fixed in :func:`portable_ssm.layouts.sanitize`.
 """
 
 from __future__ import annotations
@@ -24,39 +24,18 @@ from typing import Any
 
 from ._array import Array, array_backend, device, dtype_name, namespace
 from .backends import load, to_backend
-from .checkpoint import CheckpointError, _parse_header, load_params, save_params
+from .checkpoint import CheckpointError, load_params, save_params
 from .config import Mamba2Config
 from .generation import check_token_ids, generate, stream
+from .layouts import Tensors, config_fields, sanitize
 from .lm import logits as lm_logits
-from .params import Params, check_params, param_shapes
+from .params import Params, check_params
 
-_SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
-_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-Tensors = dict[str, tuple[Any, str]]  # checkpoint name -> (host numpy array, stored dtype name)
-
-
-def _read_safetensors(path: str) -> Tensors:
-    import numpy as np
-
-    header, offset = _parse_header(path)  # every entry checked against the file size
-    header.pop("__metadata__", None)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = np.fromfile(f, dtype=np.uint8)
-    out = {}
-    for name, info in header.items():
-        kind, (begin, end), shape = info["dtype"], info["data_offsets"], tuple(info["shape"])
-        if kind not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {kind}, expected a float "
-                                  f"({', '.join(_SAFETENSORS_DTYPES)})")
-        raw = data[begin:end].view(_SAFETENSORS_DTYPES[kind])
-        if kind == "BF16":  # bfloat16 is the top half of a float32
-            raw = (raw.astype(np.uint32) << 16).view(np.float32)
-        out[name] = (raw.reshape(shape), _NAMES[kind])  # flat bytes -> the header's shape
-    return out
+_FLOATS = ("float64", "float32", "float16", "bfloat16")
 
 
 def _read_torch_bin(path: str) -> Tensors:
+    """A torch state dict of tensors, loaded with ``weights_only=True`` (nothing else is unpickled)."""
     try:
         import torch
     except ImportError:
@@ -81,7 +60,17 @@ def _read_torch_bin(path: str) -> Tensors:
 
 
 def _read(path: str) -> Tensors:
-    return _read_torch_bin(path) if path.endswith(".bin") else _read_safetensors(path)
+    """Every tensor of one weight file (torch ``.bin`` or safetensors) with its stored dtype name."""
+    if path.endswith(".bin"):
+        return _read_torch_bin(path)
+    from .backends.safetensors_io import read_safetensors
+
+    arrays, dtypes, _ = read_safetensors(path)
+    for name, stored in dtypes.items():
+        if stored not in _FLOATS:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {stored}, expected a float "
+                                  f"({', '.join(_FLOATS)})")
+    return {name: (value, dtypes[name]) for name, value in arrays.items()}
 
 
 def _read_weights(folder: str) -> Tensors:
@@ -106,124 +95,6 @@ def _read_weights(folder: str) -> Tensors:
         return _read(os.path.join(folder, others[0]))
     raise CheckpointError(f"{folder}: no weights found (looked for model.safetensors[.index.json], "
                           f"pytorch_model.bin[.index.json] or a single *.safetensors file)")
-
-
-def _floats(values: Any) -> tuple[float, ...]:
-    """JSON numbers as floats, also transformers 5's ``{"__float__": "Infinity"}`` and ``"inf"`` strings."""
-    return tuple(float(v["__float__"] if isinstance(v, dict) else v) for v in values)
-
-
-def _transformers_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """transformers' ``Mamba2Config`` keys (with its defaults) -> ``portable_ssm.Mamba2Config`` fields."""
-    d, expand = raw["hidden_size"], raw.get("expand", 2)
-    heads, head_dim = raw.get("num_heads", 128), raw.get("head_dim", 64)
-    if heads * head_dim != expand * d:
-        raise CheckpointError(f"num_heads * head_dim = {heads * head_dim} must equal expand * hidden_size "
-                              f"= {expand * d}")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act: only 'silu' is supported, got {raw['hidden_act']!r}")
-    limit = raw.get("time_step_limit", (0.0, math.inf))
-    return dict(d_model=d, n_layer=raw["num_hidden_layers"], d_state=raw.get("state_size", 128),
-                d_conv=raw.get("conv_kernel", 4), expand=int(expand), headdim=head_dim,
-                ngroups=raw.get("n_groups", 8), chunk_size=raw.get("chunk_size", 256),
-                dt_min=raw.get("time_step_min", 0.001), dt_max=raw.get("time_step_max", 0.1),
-                dt_init_floor=raw.get("time_step_floor", 1e-4), dt_limit=_floats(limit),
-                bias=raw.get("use_bias", False), conv_bias=raw.get("use_conv_bias", True),
-                norm_eps=raw.get("layer_norm_epsilon", 1e-5),
-                residual_in_fp32=raw.get("residual_in_fp32", True),
-                tie_embeddings=raw.get("tie_word_embeddings", False),
-                vocab_size=raw["vocab_size"], pad_vocab_size_multiple=1)
-
-
-def _state_spaces_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """mamba_ssm's ``MambaConfig`` keys (with its defaults) -> ``portable_ssm.Mamba2Config`` fields."""
-    ssm = dict(raw.get("ssm_cfg") or {})
-    checks = [("ssm_cfg.layer", ssm.get("layer", "Mamba1"), "Mamba2"),  # mamba_ssm defaults to Mamba1
-              ("d_intermediate", raw.get("d_intermediate", 0), 0),  # MLP blocks
-              ("attn_layer_idx", raw.get("attn_layer_idx") or [], []),  # attention layers
-              ("rms_norm", raw.get("rms_norm", True), True),  # LayerNorm blocks
-              ("ssm_cfg.rmsnorm", ssm.get("rmsnorm", True), True),
-              ("ssm_cfg.norm_before_gate", ssm.get("norm_before_gate", False), False),
-              ("ssm_cfg.d_ssm", ssm.get("d_ssm"), None)]  # an SSM on part of d_inner
-    for key, value, supported in checks:
-        if value != supported:
-            raise CheckpointError(f"{key}: portable_ssm supports only {supported!r}, got {value!r}")
-    keys = ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size", "dt_min", "dt_max",
-            "dt_init_floor", "dt_limit", "A_init_range", "bias", "conv_bias")
-    fields = {k: ssm[k] for k in keys if k in ssm}  # absent keys: Mamba2Config's defaults are mamba_ssm's
-    for key in ("dt_limit", "A_init_range"):
-        if key in fields:
-            fields[key] = _floats(fields[key])
-    return dict(fields, d_model=raw["d_model"], n_layer=raw["n_layer"], vocab_size=raw["vocab_size"],
-                residual_in_fp32=raw.get("residual_in_fp32", True), norm_eps=raw.get("norm_epsilon", 1e-5),
-                tie_embeddings=raw.get("tie_embeddings", True),
-                pad_vocab_size_multiple=raw.get("pad_vocab_size_multiple", 8))
-
-
-def _core_name(name: str) -> str:
-    name = name[len("backbone."):] if name.startswith("backbone.") else name
-    return "embedding.weight" if name == "embeddings.weight" else name
-
-
-def config_fields(raw_config: dict[str, Any], where: str) -> dict[str, Any]:
-    """Either ``config.json`` layout (transformers: ``hidden_size``; state-spaces: ``d_model``) as
-    :class:`Mamba2Config` fields plus ``pad_vocab_size_multiple``; unsupported variants raise
-    :class:`CheckpointError` naming the key."""
-    try:
-        return (_transformers_fields if "hidden_size" in raw_config else _state_spaces_fields)(raw_config)
-    except KeyError as err:
-        raise CheckpointError(f"{where}: config.json misses the key {err.args[0]!r}") from None
-    except CheckpointError as err:
-        raise CheckpointError(f"{where}: config.json: {err}") from None
-
-
-def sanitize(fields: dict[str, Any], tensors: Tensors, where: str) -> tuple[Mamba2Config, Tensors, int]:
-    """The one place checkpoint quirks are fixed: ``(config, tensors in core names, real vocab size)``
-    from :func:`config_fields` and the checkpoint's tensors.
-
-    Strips ``backbone.``; reads both embedding names; drops ``lm_head.weight`` when tied; takes
-    ``D``'s shape from the file; keeps the embedding's row count (vocab padded or not) as the
-    logits' width. Errors name ``where`` and the tensor as the checkpoint spells it.
-    """
-    fields = dict(fields)
-    renamed: Tensors = {}
-    origin: dict[str, str] = {}
-    for name, value in tensors.items():
-        core = _core_name(name)
-        if core in renamed:
-            raise CheckpointError(f"{where}: tensors {origin[core]!r} and {name!r} are the same parameter")
-        renamed[core], origin[core] = value, name
-    if "embedding.weight" not in renamed:
-        raise CheckpointError(f"{where}: tensor 'backbone.embeddings.weight' (or "
-                              f"'backbone.embedding.weight') is missing")
-    vocab, rows = fields["vocab_size"], renamed["embedding.weight"][0].shape[0]
-    multiple = fields.pop("pad_vocab_size_multiple")
-    if vocab > rows:
-        raise CheckpointError(f"{where}: config vocab_size {vocab} exceeds the {rows} rows of "
-                              f"{origin['embedding.weight']!r}")
-    if -(-vocab // multiple) * multiple != rows:  # the rows are the padded vocabulary
-        fields["vocab_size"], multiple = rows, 1
-    D = renamed.get("layers.0.mixer.D")
-    fields["D_has_hdim"] = D is not None and D[0].ndim == 2
-    if fields["tie_embeddings"]:
-        renamed.pop("lm_head.weight", None)
-    try:
-        config = Mamba2Config(**fields, pad_vocab_size_multiple=multiple)
-    except (ValueError, TypeError) as err:
-        raise CheckpointError(f"{where}: config.json: {err}") from None
-    expected = param_shapes(config)
-    for key, shape in expected.items():
-        if key not in renamed:
-            spelled = key if key == "lm_head.weight" else f"backbone.{key}"
-            raise CheckpointError(f"{where}: tensor {spelled!r} is missing")
-        got = tuple(renamed[key][0].shape)
-        if got != shape:
-            raise CheckpointError(f"{where}: tensor {origin[key]!r} has shape {got}, expected {list(shape)} "
-                                  f"for this config")
-    extra = sorted(origin[k] for k in set(renamed) - set(expected))
-    if extra:
-        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} for this config")
-    return config, {k: renamed[k] for k in expected}, vocab
 
 
 class Mamba2LM:
@@ -304,12 +175,15 @@ class Mamba2LM:
 
 
 def _default_dtype(stored: str) -> str:
+    """The parameter dtype when none is asked for: float64 stays float64, anything else is float32."""
     return "float64" if stored == "float64" else "float32"
 
 
 def _load_file(path: str, backend: str, dtype: str | None, device: Any) -> Mamba2LM:
     """A :func:`save_params` file (its metadata carries the config, vocab size and eos id)."""
-    meta = _parse_header(path)[0].get("__metadata__") or {}
+    from .backends.safetensors_io import read_header
+
+    meta = read_header(path)[0].get("__metadata__") or {}
     if "config" not in meta:
         raise CheckpointError(f"{path}: not written by portable_ssm (no config in its metadata); for a "
                               f"transformers or state-spaces checkpoint pass the directory with config.json")

@@ -8,6 +8,10 @@ n state size, Q chunk size, c chunks. With ``X = x·Δ`` and ``a = A·Δ`` (MAMB
 3. state passing:    ``S_in[c+1] = exp(acs_c[-1]) · S_in[c] + S_c``
 4. state -> output:  ``Y_off[t] = exp(acs[t]) · (S_in[c] @ C_t)``
 
+Steps 2 to 4 run chunk by chunk (:func:`pass_states`), so one state is alive at a time; long
+sequences are processed in segments of whole chunks with the state carried across, so the extra
+memory is bounded by the segment, not by l, and a segment's intermediates stay in cache.
+
 Packed sequences (``seq_idx``) reset the state at every boundary through masks, never through
 data-dependent shapes (mamba_ssm's rule): L keeps pairs inside one sequence, a chunk state only
 the chunk's last sequence, the entering state only reaches positions of the sequence that was
@@ -16,8 +20,10 @@ at the chunk's end.
 
 Δ is clamped at 0 and A is negative, so every exponent is a sum of ``A·Δ <= 0`` terms: no exp
 sees a positive argument (the upper triangle is set to -inf before its exp, never exp'd and
-masked). Long sequences are processed in segments of whole chunks with the state carried across,
-so the extra memory is bounded by the segment, not by l.
+masked). Decay factors below the square root of the dtype's smallest normal number (about 1e-19
+in float32) are flushed to exactly 0 (:func:`decay`): a term decayed that far is far below the
+rounding of any output it joins, while subnormal floats would slow every later multiply (a matmul
+with 1% subnormal operands runs ~10x slower on x86); GPU kernels flush subnormals in exp too.
 """
 
 from __future__ import annotations
@@ -27,12 +33,12 @@ from typing import NamedTuple
 
 from ._array import Array, Namespace, device
 from .backends import fast_op
-from .ssm_inputs import check_chunk_size, check_scan_inputs, skip_and_gate, within
+from .ssm_inputs import check_chunk_size, check_scan_inputs, skip_and_gate
 
 #: Longest chunk chosen automatically; shorter sequences use one chunk of their own length.
 MAX_AUTO_CHUNK = 64
 #: Tokens processed per segment (whole chunks), bounding the O(l·h·Q) intermediates.
-SEGMENT_TOKENS = 4096
+SEGMENT_TOKENS = 256
 
 
 def choose_chunk_size(length: int, max_chunk: int = MAX_AUTO_CHUNK) -> int:
@@ -117,23 +123,43 @@ def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size
     return y, final
 
 
-def pass_states(state: Array, decay: Array, S: Array, *, xp: Namespace) -> tuple[Array, Array]:
-    """Step 3, ``S_in[c+1] = decay[c] · S_in[c] + S[c]`` from ``S_in[0] = state``: returns the state
-    entering each chunk ``[b, c, ...]`` and the one leaving the last. A backend may provide a
-    native version (``fast_op(xp, "pass_states")``: ``jax.lax.scan`` compiles once, not per chunk)."""
+def pass_states(state: Array, decay: Array, Bt: Array, X: Array, C: Array, *,
+                xp: Namespace) -> tuple[Array, Array]:
+    """Steps 2 to 4 chunk by chunk from ``state [b, g, n, r, p]``: the entering state is read by
+    the chunk's C (``C_c S_in[c]``), then the chunk's own contribution is added,
+    ``S_in[c+1] = decay[c] · S_in[c] + B_cᵀ X_c``. Only one state is alive at a time, never the
+    ``[b, c, g, n, r·p]`` stack of them.
+
+    ``decay [b, c, g, 1, r, 1]`` (chunk decay), ``Bt [b, c, g, n, Q]``, ``X [b, c, g, Q, r·p]``
+    (already decayed to the chunk's end), ``C [b, c, g, Q, n]``. Returns ``(C_c S_in[c]`` for every
+    chunk ``[b, c, g, Q, r·p]``, the state leaving the last chunk). A backend may provide a native
+    version (``fast_op(xp, "pass_states")``: ``jax.lax.scan`` compiles once, not per chunk)."""
     native = fast_op(xp, "pass_states")
     if native is not None:
-        return native(state, decay, S)
-    return pass_states_ref(state, decay, S, xp=xp)
+        return native(state, decay, Bt, X, C)
+    return pass_states_ref(state, decay, Bt, X, C, xp=xp)
 
 
-def pass_states_ref(state: Array, decay: Array, S: Array, *, xp: Namespace) -> tuple[Array, Array]:
-    """The Python loop over chunks; ``decay`` broadcasts against ``S [b, c, ...]``."""
-    entering = []
-    for decay_i, S_i in zip(xp.unstack(decay, axis=1), xp.unstack(S, axis=1)):  # unstack, not S[:, i]:
-        entering.append(state)  # autograd then adds one gradient per chunk, not a full-size zero fill
-        state = decay_i * state + S_i
-    return xp.stack(entering, axis=1), state
+def pass_states_ref(state: Array, decay: Array, Bt: Array, X: Array, C: Array, *,
+                    xp: Namespace) -> tuple[Array, Array]:
+    """The Python loop over chunks (unstacked, not indexed: autograd then adds one gradient per
+    chunk, not a full-size zero fill)."""
+    b, g, n, r, p = state.shape
+    outputs = []
+    for decay_i, Bt_i, X_i, C_i in zip(*(xp.unstack(v, axis=1) for v in (decay, Bt, X, C))):
+        outputs.append(_matmul(C_i, xp.reshape(state, (b, g, n, r * p)), xp=xp))  # [b, g, Q, r·p]
+        added = xp.reshape(_matmul(Bt_i, X_i, xp=xp), state.shape)  # [b, g, n, r·p] -> [b, g, n, r, p]
+        state = decay_i * state + added
+    return xp.stack(outputs, axis=1), state
+
+
+def decay(exponent: Array, *, xp: Namespace, keep: Array | None = None) -> Array:
+    """``exp(exponent)`` for sums of ``A·Δ <= 0``: 0 where ``keep`` (a mask broadcasting against
+    exponent) is False, and flushed to 0 where the factor would fall below ``sqrt(smallest
+    normal)`` of the dtype, so no subnormal reaches a later product. Masked entries are never exp'd."""
+    floor = math.log(xp.finfo(exponent.dtype).smallest_normal) / 2  # -43.7 in float32, -354 in float64
+    kept = exponent >= floor
+    return xp.exp(xp.where(kept if keep is None else kept & keep, exponent, -math.inf))
 
 
 def _pad_time(v: Array, pad: int, *, xp: Namespace) -> Array:
@@ -206,26 +232,19 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     idx = xp.arange(Q, device=device(x))
     causal = idx[:, None] >= idx[None, :]  # [Q, Q]
     segsum = acs[..., :, None] - acs[..., None, :]  # [b, c, h, Q, Q]
-    L = within(xp.exp(xp.where(causal, segsum, -math.inf)), m.same, xp=xp)  # [b, c, h, Q, Q]
+    L = decay(segsum, keep=causal if m.same is None else causal & m.same, xp=xp)  # [b, c, h, Q, Q]
     M = xp.reshape(CB[:, :, :, None, ...] * xp.reshape(L, (b, c, g, r, Q, Q)), (b, c, h, Q, Q))
     Y_diag = xp.permute_dims(_matmul(M, Xh, xp=xp), (0, 1, 3, 2, 4))  # [b, c, Q, h, p]
 
-    # 2. chunk states: what each chunk adds to the state, decayed to its end (n-major: Bᵀ X)
-    decay_states = within(xp.exp(acs[..., -1:] - acs), m.in_last, xp=xp)  # [b, c, h, Q]
-    Xd = X * xp.permute_dims(decay_states, (0, 1, 3, 2))[..., None]  # [b, c, Q, h, p]
+    # 2.-4. chunk by chunk: the entering state is read by C, then the chunk's own states are added
+    decay_states = decay(acs[..., -1:] - acs, keep=m.in_last, xp=xp)  # [b, c, h, Q]
+    Xd = X * xp.permute_dims(decay_states, (0, 1, 3, 2))[..., None]  # X decayed to its chunk's end, [b, c, Q, h, p]
     Xd = xp.permute_dims(xp.reshape(Xd, (b, c, Q, g, r * p)), (0, 1, 3, 2, 4))  # [b, c, g, Q, r·p]
-    S = xp.reshape(_matmul(Bt, Xd, xp=xp), (b, c, g, n, r, p))  # [b, c, g, n, r·p] -> [b, c, g, n, r, p]
-
-    # 3. state passing: the state entering each chunk, and the one leaving the segment
-    decay_chunk = within(xp.exp(acs[..., -1]), m.carried, xp=xp)  # [b, c, h]
+    decay_chunk = decay(acs[..., -1], keep=m.carried, xp=xp)  # [b, c, h]
     decay_chunk = xp.reshape(decay_chunk, (b, c, g, 1, r, 1))  # [b, c, h] -> [b, c, g, 1, r, 1]
-    S_in, state = pass_states(state, decay_chunk, S, xp=xp)  # [b, c, g, n, r, p], [b, g, n, r, p]
-    S_in = xp.reshape(S_in, (b, c, g, n, r * p))  # [b, c, g, n, r·p]
-
-    # 4. state -> output: the entering state read by C, decayed to each position
-    Y_off = _matmul(Cg, S_in, xp=xp)  # [b, c, g, Q, r·p]
+    Y_off, state = pass_states(state, decay_chunk, Bt, Xd, Cg, xp=xp)  # [b, c, g, Q, r·p], [b, g, n, r, p]
     Y_off = xp.reshape(xp.permute_dims(Y_off, (0, 1, 3, 2, 4)), (b, c, Q, h, p))  # [b, c, Q, h, p]
-    decay_out = within(xp.exp(acs), m.in_entering, xp=xp)  # [b, c, h, Q]
+    decay_out = decay(acs, keep=m.in_entering, xp=xp)  # [b, c, h, Q]
     Y_off = Y_off * xp.permute_dims(decay_out, (0, 1, 3, 2))[..., None]
 
     y = xp.reshape(Y_diag + Y_off, (b, c * Q, h, p))[:, :l, ...]  # [b, l, h, p]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -165,3 +167,123 @@ def test_save_arrays_keeps_every_dtype_and_the_metadata(tmp_path):
 def test_save_params_refuses_metadata_that_would_shadow_the_format(tmp_path):
     with pytest.raises(ValueError, match="reserved"):
         save_params(tmp_path / "m.safetensors", ps.init_params(CONFIG), CONFIG, metadata={"config": "{}"})
+
+
+# --- The NumPy safetensors reader/writer (portable_ssm.backends.safetensors_io) ---
+
+NUMERIC = ["float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "uint64", "uint32", "uint16"]
+
+
+def _every_dtype() -> dict[str, np.ndarray]:
+    """One array per numpy dtype safetensors holds (random bits, NaN patterns included), plus edge shapes."""
+    rng = np.random.default_rng(5)
+    arrays = {f"t.{name}": np.frombuffer(rng.bytes(15 * np.dtype(name).itemsize), name).reshape(3, 5)
+              for name in NUMERIC}
+    arrays["t.bool"] = rng.integers(0, 2, (2, 3)).astype(bool)
+    arrays["scalar"] = np.array(-2.5, np.float32)
+    arrays["empty"] = np.zeros((0, 4), np.int32)
+    return arrays
+
+
+def _raw_file(path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
+    """A safetensors file built by hand from ``name -> (dtype, shape, raw bytes)``: an oracle independent
+    of any writer."""
+    header, data = {}, b""
+    for name, (kind, shape, raw) in tensors.items():
+        header[name] = {"dtype": kind, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> bool:
+    return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_integer_and_bool_arrays_round_trip_bit_exact(backend, tmp_path):
+    pytest.importorskip(backend)
+    host = {"ids": np.array([0, -1, 2**62, -(2**63)], np.int64), "i32": np.array([[7, -(2**31)]], np.int32),
+            "i16": np.array([-32768, 5], np.int16), "i8": np.array([-128, 127], np.int8),
+            "u8": np.arange(256, dtype=np.uint8), "mask": np.array([[True, False], [False, True]]),
+            "step": np.array(9, np.int64)}
+    arrays = {k: ps.to_backend(v, backend) for k, v in host.items()}
+    save_arrays(tmp_path / "ints.safetensors", arrays, metadata={"note": "ints"})
+    loaded, meta = load_arrays(tmp_path / "ints.safetensors", backend=backend, dtype="float32")
+    assert meta == {"note": "ints"}
+    to_numpy = ps.backends.load(backend).to_numpy
+    for key, value in host.items():
+        assert type(loaded[key]) is type(arrays[key]), key
+        assert _same_bits(to_numpy(loaded[key]), value), key
+
+
+def test_bf16_is_widened_exactly_and_f16_is_kept(tmp_path):
+    from portable_ssm.backends.safetensors_io import read_safetensors
+
+    rng = np.random.default_rng(2)
+    bf16_bits = rng.integers(0, 2**16, (4, 3), dtype=np.uint16)
+    f16 = rng.standard_normal(5).astype(np.float16)
+    _raw_file(tmp_path / "half.safetensors", {"b": ("BF16", [4, 3], bf16_bits.astype("<u2").tobytes()),
+                                              "h": ("F16", [5], f16.astype("<f2").tobytes())})
+    arrays, dtypes, meta = read_safetensors(tmp_path / "half.safetensors")
+    assert dtypes == {"b": "bfloat16", "h": "float16"} and meta == {}
+    widened = (bf16_bits.astype(np.uint32) << 16).view(np.float32)
+    assert _same_bits(arrays["b"], widened) and _same_bits(arrays["h"], f16)
+    assert all(a.flags.writeable and a.flags.aligned for a in arrays.values())
+
+
+def test_files_of_the_safetensors_package_read_bit_exact_for_every_dtype(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    from portable_ssm.backends.safetensors_io import read_safetensors
+
+    arrays = _every_dtype()
+    safetensors_numpy.save_file(arrays, str(tmp_path / "pkg.safetensors"), metadata={"k": "v"})
+    got, dtypes, meta = read_safetensors(tmp_path / "pkg.safetensors")
+    assert meta == {"k": "v"} and sorted(got) == sorted(arrays)
+    for key, value in arrays.items():
+        assert _same_bits(got[key], value), key
+        assert dtypes[key] == value.dtype.name and got[key].flags.writeable, key
+
+
+def test_the_safetensors_package_reads_bf16_files_the_same(tmp_path):
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from portable_ssm.backends.safetensors_io import read_safetensors
+
+    tensors = {"w": torch.randn(3, 4).bfloat16(), "h": torch.randn(2).half()}
+    safetensors_torch.save_file(tensors, str(tmp_path / "bf.safetensors"))
+    got, dtypes, _ = read_safetensors(tmp_path / "bf.safetensors")
+    assert dtypes == {"w": "bfloat16", "h": "float16"}
+    assert torch.equal(torch.from_numpy(got["w"]), tensors["w"].float())
+    assert torch.equal(torch.from_numpy(got["h"]), tensors["h"])
+
+
+def test_save_arrays_writes_the_bytes_of_the_safetensors_package(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    arrays = _every_dtype()
+    save_arrays(tmp_path / "ours.safetensors", arrays, metadata={"k": "v"})
+    safetensors_numpy.save_file(arrays, str(tmp_path / "pkg.safetensors"), metadata={"k": "v"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "pkg.safetensors").read_bytes()
+    back = safetensors_numpy.load_file(str(tmp_path / "ours.safetensors"))
+    for key, value in arrays.items():
+        assert _same_bits(back[key], value), key
+
+
+def test_save_arrays_names_what_safetensors_cannot_hold(tmp_path):
+    with pytest.raises(TypeError, match="z: safetensors holds no complex128 arrays"):
+        save_arrays(tmp_path / "c.safetensors", {"w": np.ones(2), "z": np.ones(2, complex)})
+    with pytest.raises(TypeError, match="values must be strings, got int for 'step'"):
+        save_arrays(tmp_path / "m.safetensors", {"w": np.ones(2)}, metadata={"step": 3})
+    assert not list(tmp_path.iterdir())
+
+
+def test_loading_never_imports_the_safetensors_package(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_params(path, ps.init_params(CONFIG, seed=0), CONFIG)
+    save_arrays(tmp_path / "a.safetensors", {"ids": np.arange(3)})
+    code = ("import sys, portable_ssm; "
+            f"portable_ssm.load_params({str(path)!r}); "
+            f"ids = portable_ssm.load_arrays({str(tmp_path / 'a.safetensors')!r})[0]['ids']; "
+            f"portable_ssm.save_arrays({str(tmp_path / 'b.safetensors')!r}, {{'ids': ids}}); "
+            "assert 'safetensors' not in sys.modules, 'safetensors was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")

@@ -72,3 +72,21 @@ def test_torch_native_conv_agrees_with_the_reference(with_state, dtype):
     y_ref, s_ref = causal_conv1d_ref(x, w, bias, state, xp=txp)
     torch.testing.assert_close(y_native, y_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(s_native, s_ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("l", [1, 31, 32, 75])
+def test_numpy_tiled_conv_agrees_with_the_reference(with_state, dtype, l):
+    import array_api_compat.numpy as nxp
+    from portable_ssm.backends import fast_op
+
+    native = fast_op(nxp, "causal_conv1d")
+    assert native is not None
+    x, w, bias = (v.astype(dtype) for v in data(l, d=7, k=4, seed=5))
+    state = np.random.default_rng(1).standard_normal((2, 7, 4)).astype(dtype) if with_state else None
+    y_native, s_native = native(x, w, bias, state)
+    y_ref, s_ref = causal_conv1d_ref(x, w, bias, state, xp=nxp)
+    assert y_native.dtype == y_ref.dtype and y_native.shape == y_ref.shape == (2, l, 7)
+    np.testing.assert_allclose(y_native, y_ref, rtol=1e-6 if dtype == "float32" else 1e-14, atol=1e-6)
+    np.testing.assert_array_equal(s_native, s_ref)

@@ -6,9 +6,11 @@ in float64, match it to 1e-10). ``selective_scan`` itself runs on every backend 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
-from conftest import assert_close, tol
+from conftest import assert_close, rel_err, tol
 
 import portable_ssm as ps
 
@@ -99,6 +101,47 @@ def test_long_segments_carry_the_state_across_segment_boundaries(monkeypatch):
     assert np.abs(s - s_ref).max() <= 1e-10 * np.abs(s_ref).max()
 
 
+@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+def test_decay_flushes_factors_below_the_floor_to_zero_never_subnormal(xp, dtype_name):
+    from portable_ssm.ssd import decay
+
+    if dtype_name == "float64" and xp.name == "jax":
+        pytest.importorskip("jax").config.update("jax_enable_x64", True)
+    exponents = np.array([-800.0, -400.0, -100.0, -43.0, -1.0, 0.0, -math.inf])
+    keep = np.array([True, True, True, True, True, False, True])
+    out = xp.numpy(xp.call(decay, xp.asarray_from(exponents, dtype_name), keep=xp.asarray_from(keep), xp=xp.namespace))
+    expected = np.where(keep, np.exp(exponents), 0.0)
+    floor = np.log(np.finfo(dtype_name).smallest_normal) / 2  # exp(floor) ~ 1e-19 (float32), 1e-154 (float64)
+    expected[exponents < floor] = 0.0
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=0)
+    assert not np.any((out != 0) & (np.abs(out) < np.finfo(dtype_name).smallest_normal))
+    assert out[5] == 0.0  # masked: 0 even where exp would give 1
+
+
+def test_strongly_decaying_scan_has_no_subnormal_operands_and_matches_the_recurrence():
+    import portable_ssm.ssd as ssd
+
+    host = scan_inputs(17, 1, 256, 4, 8, 1, 16)
+    host["A"] = -np.full(4, 30.0)  # A·Δ of -10 to -60 per step: most decays within a chunk underflow float32
+    f32 = {k: None if v is None else v.astype(np.float32) for k, v in host.items()}
+    seen = []
+    matmul = ssd._matmul
+
+    def spy(a, b, *, xp):
+        seen.extend(np.asarray(v) for v in (a, b))
+        return matmul(a, b, xp=xp)
+
+    ssd._matmul = spy
+    try:
+        y = ps.ssd_scan(**f32, dt_softplus=True, chunk_size=64)
+    finally:
+        ssd._matmul = matmul
+    tiny = np.finfo(np.float32).smallest_normal
+    assert seen and not any(np.any((v != 0) & (np.abs(v) < tiny)) for v in seen)
+    y_ref, _ = oracle({k: None if v is None else v.astype(np.float64) for k, v in f32.items()})
+    assert rel_err(y, y_ref) < tol("float32")
+
+
 @pytest.mark.parametrize("D_shape", ["h", "hp"])
 def test_skip_D_per_head_or_per_channel_and_gate(xp, D_shape):
     host = scan_inputs(13, 2, 33, 4, 3, 2, 4)
@@ -135,9 +178,12 @@ def test_jax_native_state_passing_agrees_with_the_loop():
     native = fast_op(jnp, "pass_states")
     assert native is not None
     rng = np.random.default_rng(0)
-    state, S = jnp.asarray(rng.standard_normal((2, 3, 4, 5))), jnp.asarray(rng.standard_normal((2, 7, 3, 4, 5)))
-    decay = jnp.asarray(rng.uniform(0, 1, (2, 7, 3, 1, 5)))
-    entering, final = native(state, decay, S)
-    entering_ref, final_ref = pass_states_ref(state, decay, S, xp=jnp)
-    np.testing.assert_allclose(np.asarray(entering), np.asarray(entering_ref), rtol=1e-12)
+    b, c, g, n, r, p, Q = 2, 7, 2, 4, 3, 5, 6
+    state = jnp.asarray(rng.standard_normal((b, g, n, r, p)))
+    decay = jnp.asarray(rng.uniform(0, 1, (b, c, g, 1, r, 1)))
+    Bt, X, C = (jnp.asarray(rng.standard_normal(s)) for s in ((b, c, g, n, Q), (b, c, g, Q, r * p), (b, c, g, Q, n)))
+    outputs, final = native(state, decay, Bt, X, C)
+    outputs_ref, final_ref = pass_states_ref(state, decay, Bt, X, C, xp=jnp)
+    assert outputs.shape == (b, c, g, Q, r * p)
+    np.testing.assert_allclose(np.asarray(outputs), np.asarray(outputs_ref), rtol=1e-12)
     np.testing.assert_allclose(np.asarray(final), np.asarray(final_ref), rtol=1e-12)
