@@ -92,8 +92,11 @@ def compute_dtype(xp: Namespace, dtype: Any) -> Any:
 
 
 def softplus(x: Array, *, xp: Namespace) -> Array:
-    """``log(1 + exp(x))`` without overflow: ``max(x, 0) + log1p(exp(-|x|))``."""
-    return xp.maximum(x, 0.0) + xp.log1p(xp.exp(-xp.abs(x)))
+    """``log(1 + exp(x))`` without overflow: ``max(x, 0) + log1p(exp(-|x|))``, with
+    ``max(x, 0) = (x + |x|) / 2`` (operators only: no Python scalar reaches a namespace function,
+    which ``torch.compile(fullgraph=True)`` cannot trace through array_api_compat)."""
+    magnitude = xp.abs(x)
+    return 0.5 * (x + magnitude) + xp.log1p(xp.exp(-magnitude))
 
 
 def silu(x: Array, *, xp: Namespace) -> Array:
@@ -101,6 +104,13 @@ def silu(x: Array, *, xp: Namespace) -> Array:
     finite for every finite input, and four passes over x instead of five."""
     half = 0.5 * x
     return half + half * xp.tanh(half)
+
+
+def constant(value: float, like: Array, *, xp: Namespace) -> Array:
+    """``value`` as a 0-d array of ``like``'s dtype and device, for ``where``/``maximum`` operands:
+    Python scalars there go through array_api_compat's promotion, which ``torch.compile`` with
+    ``fullgraph=True`` cannot trace."""
+    return xp.asarray(value, dtype=like.dtype, device=device(like))
 
 
 def zeros_like_shape(xp: Namespace, shape: tuple[int, ...], like: Array, dtype: Any = None) -> Array:

@@ -11,31 +11,25 @@ One run builds identical random weights for portable_ssm and, when installed, tr
 
 It reports medians, ratios to transformers measured in the same run, GFLOP/s against this
 machine's sgemm rate (numpy float32 matmul, same run), peak memory and time-vs-length scaling,
-and writes ``RESULTS.md`` and ``scaling.png``. Timings are reported, never asserted. Frameworks
-are imported inside functions only, so ``import portable_ssm`` stays framework-free.
-
-FLOP count (:func:`forward_flops`), per layer and token, multiply-add = 2:
-projections ``2·d_model·(d_in_proj + d_inner)`` + SSD ``2·(Q·g·n + Q·h·p + 2·h·p·n)`` (C Bᵀ,
-diagonal blocks, chunk states, state -> output) with Q the chunk size portable_ssm picks for l.
-Conv, norms and elementwise work are not counted; a training step counts 3x the forward.
+and writes ``RESULTS.md`` and ``scaling.png`` (:mod:`portable_ssm.bench_report`, which also
+defines the FLOP count). Timings are reported, never asserted. Frameworks are imported inside
+functions only, so ``import portable_ssm`` stays framework-free.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .bench_report import Case, Row, proc_kib, write_results
 from .config import Mamba2Config
-from .ssd import choose_chunk_size
 
 PARTS = ("forward", "train", "decode", "scaling")
 BACKENDS = ("numpy", "torch", "jax", "transformers")
@@ -50,46 +44,6 @@ TRAIN_MAX_LEN = 8192  # longer training rows need more memory than a CPU runner 
 PROMPT, DECODE_STEPS = 8, 32
 Clock = Callable[[], float]
 CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
-FLOP_NOTE = ("FLOP count, per layer and token (multiply-add = 2): projections 2·d_model·(d_in_proj + "
-             "d_inner) + SSD 2·(Q·g·n + Q·h·p + 2·h·p·n) with Q = portable_ssm's chunk size for l; conv, "
-             "norms and elementwise work are not counted; training counts 3x the forward. GFLOP/s = that "
-             "count / median time for every backend (transformers' chunk of 256 does more work than "
-             "counted). x transformers = transformers' median / this row's median. Peak MiB: rise of the "
-             "process's peak RSS during one call. rel err: max |y - y_ref| / max |y_ref|, ref = "
-             "transformers (numpy without it).")
-
-
-@dataclass(frozen=True)
-class Case:
-    """One benchmarked shape (for decode, ``length`` is the prompt length)."""
-
-    part: str
-    name: str
-    config: Mamba2Config
-    batch: int
-    length: int
-
-
-@dataclass
-class Row:
-    """One measurement: ``seconds`` is the median of ``runs`` calls (of one step for decode)."""
-
-    case: Case
-    backend: str
-    seconds: float
-    runs: int
-    first_s: float
-    peak_mib: float | None
-    check: str = ""
-    ratio: float | None = None
-
-
-def forward_flops(config: Mamba2Config, batch: int, length: int) -> float:
-    """Model FLOPs of one forward over ``[batch, length]`` (see the module docstring)."""
-    c, Q = config, choose_chunk_size(length)
-    proj = 2 * c.d_model * (c.d_in_proj + c.d_inner)
-    ssd = 2 * (Q * c.ngroups * c.d_state + Q * c.nheads * c.headdim + 2 * c.nheads * c.headdim * c.d_state)
-    return float(c.n_layer * batch * length * (proj + ssd))
 
 
 def cases(parts: tuple[str, ...], quick: bool, max_len: int | None) -> list[Case]:
@@ -108,27 +62,19 @@ def cases(parts: tuple[str, ...], quick: bool, max_len: int | None) -> list[Case
     return out
 
 
-def _proc_kib(path: str, field: str) -> int | None:
-    try:
-        with open(path) as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-    except (OSError, StopIteration):
-        return None
-
-
 def _timed(fn: Callable[[], Any], clock: Clock) -> tuple[float, float | None, Any]:
     """``(seconds, peak MiB over the RSS before the call or None, output)`` of one call. The peak is
     the process's VmHWM, reset through ``/proc/self/clear_refs`` (Linux; None elsewhere)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        base = _proc_kib("/proc/self/status", "VmRSS")
+        base = proc_kib("/proc/self/status", "VmRSS")
     except OSError:
         base = None
     start = clock()
     out = fn()
     seconds = clock() - start
-    hwm = _proc_kib("/proc/self/status", "VmHWM")
+    hwm = proc_kib("/proc/self/status", "VmHWM")
     return seconds, None if base is None or hwm is None else max(hwm - base, 0) / 1024, out
 
 
@@ -301,161 +247,6 @@ def sgemm_gflops(n: int, repeats: int = 3, clock: Clock = time.perf_counter) -> 
     a = np.random.default_rng(0).standard_normal((2, n, n)).astype(np.float32)
     seconds, *_ = measure(lambda: a[0] @ a[1], repeats, clock)
     return 2 * n**3 / seconds / 1e9
-
-
-def blas_info() -> str:
-    """numpy's BLAS and, for OpenBLAS, the kernel it runs (through threadpoolctl when installed)."""
-    import ctypes
-    import glob
-
-    import numpy as np
-
-    try:
-        from threadpoolctl import threadpool_info
-
-        return "; ".join(f"{i['internal_api']} {i.get('version')} {i.get('architecture')} "
-                         f"threads={i['num_threads']}" for i in threadpool_info())
-    except ImportError:
-        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-    info = f"{blas['name']} {blas.get('version', '')}"
-    for path in glob.glob(os.path.join(os.path.dirname(np.__path__[0]), "numpy.libs", "*openblas*")):
-        lib = ctypes.CDLL(path)
-        for symbol, label in (("scipy_openblas_get_corename64_", "kernel"),
-                              ("scipy_openblas_get_num_threads64_", "threads")):
-            fn = getattr(lib, symbol, None)
-            if fn is not None:
-                fn.restype = ctypes.c_char_p if label == "kernel" else ctypes.c_int
-                value = fn()
-                info += f", {label} {value.decode() if isinstance(value, bytes) else value}"
-    return info
-
-
-def _machine() -> list[str]:
-    import numpy as np
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = _proc_kib("/proc/meminfo", "MemTotal")
-    lines = [f"CPU: {cpu}, {os.cpu_count()} logical cores" + (f", {mem / 2**20:.0f} GiB RAM" if mem else ""),
-             f"OS: {platform.platform()}; Python {platform.python_version()}; numpy {np.__version__}",
-             f"BLAS: {blas_info()}"]
-    for name in ("torch", "jax", "transformers"):
-        module = sys.modules.get(name)
-        if module is not None:
-            threads = f" ({module.get_num_threads()} threads)" if name == "torch" else ""
-            lines.append(f"{name} {module.__version__}{threads}")
-    return lines
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _tables(rows: list[Row], sgemm: float) -> list[str]:
-    out = []
-    for part, title in (("forward", "Forward (inference)"), ("train", "Training step (forward + backward)")):
-        if any(r.case.part == part for r in rows):
-            out += [f"## {title}", "", "| shape | b | l | backend | median ms | runs | first ms "
-                    "| x transformers | GFLOP/s | % sgemm | peak MiB | rel err |", "|" + "---|" * 12]
-        for r in (r for r in rows if r.case.part == part):
-            rate = forward_flops(r.case.config, r.case.batch, r.case.length) * (3 if part == "train" else 1)
-            rate /= r.seconds * 1e9
-            out.append(f"| {r.case.name} | {r.case.batch} | {r.case.length} | {r.backend} "
-                       f"| {r.seconds * 1e3:.1f} | {r.runs} | {r.first_s * 1e3:.0f} | {_fmt(r.ratio, '.2f')} "
-                       f"| {rate:.1f} | {100 * rate / sgemm:.0f} | {_fmt(r.peak_mib, '.0f')} | {r.check} |")
-        out += [""] if any(r.case.part == part for r in rows) else []
-    decode = [r for r in rows if r.case.part == "decode"]
-    if decode:
-        out += ["## Decode (greedy; tokens/s = b / median step time)", "",
-                "| model | b | backend | ms / step | tokens/s | x transformers | tokens equal to ref |",
-                "|" + "---|" * 7]
-        out += [f"| {r.case.name} | {r.case.batch} | {r.backend} | {r.seconds * 1e3:.2f} "
-                f"| {r.case.batch / r.seconds:.0f} | {_fmt(r.ratio, '.2f')} | {r.check} |" for r in decode]
-        out.append("")
-    return out
-
-
-def scaling_curves(rows: list[Row]) -> dict[str, list[tuple[int, float]]]:
-    """Forward seconds vs length of the one-layer rows, per backend: ``{backend: [(l, s), ...]}``."""
-    curves: dict[str, list[tuple[int, float]]] = {}
-    for r in rows:
-        if r.case.part == "forward" and r.case.name == "130m-layer":
-            curves.setdefault(r.backend, []).append((r.case.length, r.seconds))
-    return curves
-
-
-def _scaling_table(curves: dict[str, list[tuple[int, float]]]) -> list[str]:
-    lengths = sorted({n for pts in curves.values() for n, _ in pts})
-    lines = ["## Time vs length (forward, one 130m layer, b=1)", "",
-             "| backend | " + " | ".join(f"l={n}" for n in lengths) + " | t(l_max)/t(l_min) |",
-             "|" + "---|" * (len(lengths) + 2)]
-    for backend, pts in curves.items():
-        times = dict(pts)
-        lines.append(f"| {backend} | " + " | ".join(f"{times[n] * 1e3:.0f} ms" if n in times else "-"
-                                                   for n in lengths) +
-                     f" | {pts[-1][1] / pts[0][1]:.1f} for {pts[-1][0] // pts[0][0]}x tokens |")
-    return lines + ["", "![time vs length](scaling.png)", ""]
-
-
-def plot_scaling(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
-    """Log-log time vs length, one line per backend, with a linear-in-l guide; a PNG at ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for backend, pts in curves.items():
-        ax.plot([n for n, _ in pts], [s for _, s in pts], marker="o", label=backend)
-    n0, s0 = min(min(pts) for pts in curves.values())
-    ends = [n0, max(n for pts in curves.values() for n, _ in pts)]
-    ax.plot(ends, [s0 * n / n0 for n in ends], "k:", label="linear in l")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length l", ylabel="forward time (s)",
-           title="Mamba-2 layer (130m shape) forward time vs length")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _targets(rows: list[Row], sgemm: float, curves: dict[str, list[tuple[int, float]]]) -> list[str]:
-    lines = []
-    for r in rows:
-        where = f"{r.case.name} l={r.case.length}"
-        if r.ratio is not None and r.case.part == "forward" and r.backend in ("numpy", "torch") and (
-                r.case.name == "seed" or r.case.length in (2048, 8192)):
-            lines.append(f"{r.backend} forward {where}: {r.ratio:.2f}x transformers (target >= 2)")
-        if r.ratio is not None and r.case.part == "train" and r.backend == "torch":
-            lines.append(f"torch train {where}: {r.ratio:.2f}x transformers (target >= 1.5)")
-        if (r.case.part, r.case.name, r.case.length, r.backend) == ("forward", "130m-layer", 8192, "numpy"):
-            pct = 100 * forward_flops(r.case.config, 1, 8192) / r.seconds / 1e9 / sgemm
-            lines.append(f"numpy forward {where}: {pct:.0f}% of sgemm (target >= 60%)")
-    for backend, pts in curves.items():
-        times = dict(pts)
-        if 2048 in times and 32768 in times:
-            lines.append(f"{backend}: t(32768)/t(2048) = {times[32768] / times[2048]:.1f} (target <= 18)")
-    return ["## Targets", ""] + [f"- {line}" for line in lines] + [""] if lines else []
-
-
-def write_results(rows: list[Row], sgemm: float, out: Path, notes: list[str]) -> Path:
-    """Writes ``RESULTS.md`` (and ``scaling.png`` when there are length rows) into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    curves = scaling_curves(rows)
-    date = datetime.datetime.now().isoformat(timespec="seconds")
-    text = ["# portable_ssm benchmarks", "", f"Date: {date}", ""]
-    text += [f"- {line}" for line in _machine() + notes]
-    text += [f"- sgemm (numpy float32 matmul, same run): {sgemm:.1f} GFLOP/s", "", FLOP_NOTE, ""]
-    text += _targets(rows, sgemm, curves) + _tables(rows, sgemm)
-    if curves:
-        text += _scaling_table(curves)
-        plot_scaling(curves, out / "scaling.png")
-    path = out / "RESULTS.md"
-    path.write_text("\n".join(text))
-    return path
 
 
 def _set_threads(threads: int | None) -> list[str]:

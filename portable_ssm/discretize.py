@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ._array import Array, Namespace, compute_dtype, namespace, softplus
+from ._array import Array, Namespace, compute_dtype, constant, namespace, softplus
 from ._checks import Shapes, check_dt_limit, check_floating
 
 
@@ -22,9 +22,9 @@ def delta(dt: Array, dt_bias: Array | None, dt_softplus: bool, dt_limit: tuple[f
     if dt_softplus:
         dt = softplus(dt, xp=xp)
     low, high = dt_limit
-    dt = xp.maximum(dt, low)  # Δ >= 0 always (the default limit is (0, inf))
+    dt = xp.maximum(dt, constant(low, dt, xp=xp))  # Δ >= 0 always (the default limit is (0, inf))
     if math.isfinite(high):
-        dt = xp.minimum(dt, high)
+        dt = xp.minimum(dt, constant(high, dt, xp=xp))
     return dt
 
 

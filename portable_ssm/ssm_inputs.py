@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._array import Array, Namespace, compute_dtype, dtype_name, namespace, silu
+from ._array import Array, Namespace, compute_dtype, constant, dtype_name, namespace, silu
 from ._checks import (
     Shapes,
     check_dt_limit,
@@ -129,7 +129,7 @@ def sequence_runs(seq_idx: Array, *, xp: Namespace) -> Array:
 def within(v: Array, keep: Array | None, *, xp: Namespace) -> Array:
     """``v`` where ``keep``, else 0 (terms that would cross a sequence boundary); ``v`` itself when
     ``keep`` is None, so one sequence per row computes exactly what it did without ``seq_idx``."""
-    return v if keep is None else xp.where(keep, v, 0.0)
+    return v if keep is None else xp.where(keep, v, constant(0.0, v, xp=xp))
 
 
 def check_chunk_size(chunk_size: Any) -> None:

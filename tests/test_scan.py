@@ -142,6 +142,15 @@ def test_strongly_decaying_scan_has_no_subnormal_operands_and_matches_the_recurr
     assert rel_err(y, y_ref) < tol("float32")
 
 
+def test_final_state_comes_back_row_major_on_numpy():
+    # a strided [b, h, p, n] view (the scan keeps states n-major) made every decode step's update
+    # walk n with a large stride: 4x slower per token
+    host = scan_inputs(19, 1, 70, 4, 8, 1, 16)
+    _, final = ps.ssd_scan(**{k: v.astype(np.float32) for k, v in host.items()}, dt_softplus=True,
+                           return_final_states=True)
+    assert final.shape == (1, 4, 8, 16) and final.flags.c_contiguous
+
+
 @pytest.mark.parametrize("D_shape", ["h", "hp"])
 def test_skip_D_per_head_or_per_channel_and_gate(xp, D_shape):
     host = scan_inputs(13, 2, 33, 4, 3, 2, 4)

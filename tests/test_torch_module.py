@@ -147,16 +147,26 @@ def test_autocast_bf16_runs_the_ssm_in_float32_and_tracks_float32():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # dynamo notes array_api_compat's lru_caches
-def test_torch_compile_matches_eager_values_and_gradients():
+@pytest.mark.parametrize("checkpoint_blocks", [False, True])
+def test_torch_compile_traces_one_whole_graph_matching_eager_values_and_gradients(checkpoint_blocks):
     torch._dynamo.reset()
-    eager, module = Mamba2Module(CONFIG, seed=6), Mamba2Module(CONFIG, seed=6)
-    compiled = torch.compile(module, backend="aot_eager")
+    eager = Mamba2Module(CONFIG, seed=6)
+    module = Mamba2Module(CONFIG, seed=6, checkpoint_blocks=checkpoint_blocks)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)  # any graph break raises
     x = _x(2, 10, 16)
     for m in (eager, compiled):
         _probe(m(x)).backward()
     torch.testing.assert_close(compiled(x), eager(x), rtol=1e-6, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), module.parameters()):
         assert rel_err(q.grad.numpy(), p.grad.numpy()) < 1e-5, name  # float32 sums in another order
+
+
+def test_lm_module_compiles_as_one_graph():
+    torch._dynamo.reset()
+    module = Mamba2LMModule(LM_CONFIG, seed=1)
+    ids = torch.randint(0, LM_CONFIG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(ids), module(ids), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("checkpoint_blocks", [False, True])
