@@ -20,12 +20,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 from portable_ssm import lm
-from portable_ssm import model as core_model
 from portable_ssm.config import Mamba2Config
-from portable_ssm.mixer import _linear, mixer
+from portable_ssm.mixer import mixer
 from portable_ssm.model import Mamba2State
 from portable_ssm.model import forward as core_forward
-from portable_ssm.params import check_params, init_params
+from portable_ssm.params import init_params
 
 
 def namespace() -> Any:
@@ -168,15 +167,8 @@ class Mamba2Module(nn.Module):
         with ``return_state``. ``initial_state`` continues an earlier segment (see
         :func:`detach_state`); ``seq_idx [b, l]`` marks packed sequences (``portable_ssm.collate``)."""
         x = self._autocast_input(x)
-        params = self.params()
-        if self._checkpointing():
-            xp = check_params(params, self.config)
-            shapes = core_model._check_x(x, params, self.config, ("b", "l", "d_model"), xp=xp)
-            run = core_model._sequence_mixer(seq_idx, shapes, "x", x, xp=xp, layer=_checkpointed_mixer)
-            y, state = self._checkpointed(x, params, initial_state, shapes, run, xp=xp)
-        else:
-            y, state = core_forward(x, params, config=self.config, initial_state=initial_state,
-                                    return_state=True, seq_idx=seq_idx)
+        y, state = core_forward(x, self.params(), config=self.config, initial_state=initial_state,
+                                return_state=True, seq_idx=seq_idx, layer=self._layer())
         return (y, self._conv_in_param_dtype(state)) if return_state else y
 
     def _param_dtype(self) -> torch.dtype:
@@ -198,15 +190,10 @@ class Mamba2Module(nn.Module):
         dtype = self._param_dtype()
         return Mamba2State(conv=tuple(c.to(dtype) for c in state.conv), ssm=state.ssm)
 
-    def _checkpointing(self) -> bool:
-        return self.checkpoint_blocks and torch.is_grad_enabled()
-
-    def _checkpointed(self, x: torch.Tensor, params: dict[str, torch.Tensor], initial_state: Any,
-                      shapes: Any, run: Any, *, xp: Any) -> tuple[torch.Tensor, Mamba2State]:
-        """The core's block loop with ``run`` (a checkpointed mixer) once x and the params are checked."""
-        if initial_state is not None:
-            core_model._check_state(initial_state, self.config, x, shapes, "initial_state", xp=xp)
-        return core_model.run_sequence(x, params, self.config, initial_state, run, xp=xp)
+    def _layer(self) -> Any:
+        """The mixer stand-in for the core: a checkpointed mixer while gradients are recorded with
+        ``checkpoint_blocks``, else None (the core's own, in token blocks)."""
+        return _checkpointed_mixer if self.checkpoint_blocks and torch.is_grad_enabled() else None
 
 
 class Mamba2LMModule(Mamba2Module):
@@ -224,18 +211,8 @@ class Mamba2LMModule(Mamba2Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, Mamba2State]:
         """``input_ids [b, l]`` -> logits ``[b, l, padded_vocab]`` (float32 for float32 parameters),
         or ``(logits, state)``; arguments as :meth:`Mamba2Module.forward`."""
-        params = self.params()
-        if self._checkpointing():
-            xp = check_params(params, self.config)
-            shapes = lm._check_ids(input_ids, self.config, ("b", "l"), xp=xp)
-            run = core_model._sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp,
-                                             layer=_checkpointed_mixer)
-            hidden, state = self._checkpointed(lm.embed(input_ids, params, xp=xp), params, initial_state,
-                                               shapes, run, xp=xp)
-            out = _linear(hidden, lm.head_weight(params, self.config), None, xp=xp)  # [b, l, padded_vocab]
-        else:
-            out, state = lm.logits(input_ids, params, config=self.config, initial_state=initial_state,
-                                   return_state=True, seq_idx=seq_idx)
+        out, state = lm.logits(input_ids, self.params(), config=self.config, initial_state=initial_state,
+                               return_state=True, seq_idx=seq_idx, layer=self._layer())
         return (out, self._conv_in_param_dtype(state)) if return_state else out
 
 

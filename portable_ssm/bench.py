@@ -10,7 +10,7 @@ One run builds identical random weights for portable_ssm and, when installed, tr
 - ``scaling``: the 130m-layer rows alone, for the time-vs-length table and plot.
 
 It reports medians, ratios to transformers measured in the same run, GFLOP/s against this
-machine's sgemm rate (numpy float32 matmul, same run), peak memory and time-vs-length scaling,
+machine's sgemm rate (numpy float32 matmul, timed in the same rounds), peak memory and time-vs-length scaling,
 and writes ``RESULTS.md`` and ``scaling.png`` (:mod:`portable_ssm.bench_report`, which also
 defines the FLOP count). Timings are reported, never asserted. Frameworks are imported inside
 functions only, so ``import portable_ssm`` stays framework-free.
@@ -42,6 +42,8 @@ QUICK = (Mamba2Config(d_model=32, n_layer=2, d_state=8, headdim=16),
 LENGTHS, QUICK_LENGTHS = (512, 2048, 8192, 32768), (64, 256)
 TRAIN_MAX_LEN = 8192  # longer training rows need more memory than a CPU runner is assumed to have
 PROMPT, DECODE_STEPS = 8, 32
+#: The sgemm timed beside every forward and training case, in the same rounds (``[n, n] @ [n, n]``).
+SGEMM, SGEMM_N = "sgemm", 4096
 Clock = Callable[[], float]
 CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
 
@@ -78,18 +80,26 @@ def _timed(fn: Callable[[], Any], clock: Clock) -> tuple[float, float | None, An
     return seconds, None if base is None or hwm is None else max(hwm - base, 0) / 1024, out
 
 
-def measure(fn: Callable[[], Any], repeats: int, clock: Clock = time.perf_counter,
-            budget_s: float = 30.0) -> tuple[float, int, float, Any, Any]:
-    """One warm-up call, then ``repeats`` timed calls (fewer, at least two, past ``budget_s``).
-    Returns ``(median s, runs, first-call s, peak MiB or None, last output)``."""
-    first, _, out = _timed(fn, clock)
-    runs = max(2, min(repeats, int(budget_s / max(first, 1e-9))))
-    times, peaks = [], []
-    for _ in range(runs):
-        seconds, peak, out = _timed(fn, clock)
-        times.append(seconds)
-        peaks.append(peak)
-    return statistics.median(times), runs, first, None if None in peaks else max(peaks), out
+def measure(fns: dict[str, Callable[[], Any]], repeats: int, clock: Clock = time.perf_counter,
+            budget_s: float = 30.0) -> dict[str, tuple[float, int, float, float | None, Any]]:
+    """Side by side: one warm-up call of each function, then rounds that call each in turn, so every
+    backend sees the same machine load; each gets ``repeats`` timed calls (fewer, at least two,
+    when its first call says ``budget_s`` would be exceeded). Returns, per name, ``(median s, runs,
+    first-call s, peak MiB or None, last output)``."""
+    first, out = {}, {}
+    for name, fn in fns.items():
+        first[name], _, out[name] = _timed(fn, clock)
+    runs = {name: max(2, min(repeats, int(budget_s / max(first[name], 1e-9)))) for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    peaks: dict[str, list[float | None]] = {name: [] for name in fns}
+    for turn in range(max(runs.values(), default=0)):
+        for name, fn in fns.items():
+            if turn < runs[name]:
+                seconds, peak, out[name] = _timed(fn, clock)
+                times[name].append(seconds)
+                peaks[name].append(peak)
+    return {name: (statistics.median(times[name]), runs[name], first[name],
+                   None if None in peaks[name] else max(peaks[name]), out[name]) for name in fns}
 
 
 def _host(out: Any) -> Any:
@@ -205,8 +215,10 @@ def _decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any
     return times, np.stack([_host(t) for t in tokens], axis=1)
 
 
-def run_case(case: Case, backends: list[str], repeats: int, clock: Clock = time.perf_counter) -> list[Row]:
-    """Measures one case on each backend that applies, then fills ratios and agreement checks."""
+def run_case(case: Case, backends: list[str], repeats: int, clock: Clock = time.perf_counter,
+             sgemm_n: int = SGEMM_N) -> list[Row]:
+    """Measures one case on each backend that applies, side by side with an ``[sgemm_n, sgemm_n]``
+    sgemm (forward and training cases), then fills ratios and agreement checks."""
     import numpy as np
 
     from .params import init_params
@@ -219,15 +231,17 @@ def run_case(case: Case, backends: list[str], repeats: int, clock: Clock = time.
         x = rng.standard_normal((case.batch, case.length, case.config.d_model)).astype(np.float32)
         backends = [b for b in backends if case.part == "forward" or b in ("torch", "transformers")]
     rows, outputs = [], {}
-    for backend in backends:
-        if case.part == "decode":
+    if case.part == "decode":
+        for backend in backends:
             times, outputs[backend] = _decode(backend, case.config, params, x, clock)
             rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None))
-            continue
-        fn = _forward_fn(backend, case.config, params, x, case.part == "train")
-        seconds, runs, first, peak, out = measure(fn, repeats, clock)
-        outputs[backend] = _host(out)
-        rows.append(Row(case, backend, seconds, runs, first, peak))
+    else:
+        fns = {b: _forward_fn(b, case.config, params, x, case.part == "train") for b in backends}
+        measured = measure({**fns, SGEMM: _sgemm_call(sgemm_n)}, repeats, clock)
+        sgemm = 2 * sgemm_n**3 / measured.pop(SGEMM)[0] / 1e9
+        for backend, (seconds, runs, first, peak, out) in measured.items():
+            outputs[backend] = _host(out)
+            rows.append(Row(case, backend, seconds, runs, first, peak, sgemm=sgemm))
     ref = outputs.get("transformers", outputs.get("numpy"))
     base = next((r.seconds for r in rows if r.backend == "transformers"), None)
     for row in rows:
@@ -240,13 +254,12 @@ def run_case(case: Case, backends: list[str], repeats: int, clock: Clock = time.
     return rows
 
 
-def sgemm_gflops(n: int, repeats: int = 3, clock: Clock = time.perf_counter) -> float:
-    """This machine's float32 matmul rate: numpy ``[n, n] @ [n, n]``, median of ``repeats``."""
+def _sgemm_call(n: int) -> Callable[[], Any]:
+    """One numpy float32 ``[n, n] @ [n, n]``: the machine's matrix-multiply rate, timed in the rounds."""
     import numpy as np
 
     a = np.random.default_rng(0).standard_normal((2, n, n)).astype(np.float32)
-    seconds, *_ = measure(lambda: a[0] @ a[1], repeats, clock)
-    return 2 * n**3 / seconds / 1e9
+    return lambda: a[0] @ a[1]
 
 
 def _set_threads(threads: int | None) -> list[str]:
@@ -293,16 +306,18 @@ def main(argv: list[str] | None = None) -> int:
         backends = [b for b in backends if b != "transformers"]
     notes += [f"skipped (not installed): {b}" for b in wanted if b not in backends]
     notes += [f"load average at start: {', '.join(f'{v:.1f}' for v in os.getloadavg())}",
+              "forward and training cases run side by side: one warm-up call per backend, then rounds "
+              f"that call every backend and a numpy [{SGEMM_N}, {SGEMM_N}] float32 sgemm in turn; medians "
+              "per backend; % sgemm is against the sgemm timed in the same rounds",
               "jax rows time `jax.jit(forward)`; their first ms includes the compile",
               f"decode: {PROMPT}-token prompt, then {DECODE_STEPS} greedy steps timed one by one "
               "(portable_ssm.lm.logits_step + argmax; transformers: generate(use_cache=True))"]
     clock = CLOCKS[args.clock]
     if args.clock == "cpu":
         notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
-    sgemm = sgemm_gflops(1024 if args.quick else 4096, clock=clock)
     rows: list[Row] = []
     for case in tqdm(cases(parts, args.quick, args.max_len), desc="bench", unit="shape"):
-        rows += run_case(case, backends, args.repeats, clock)
+        rows += run_case(case, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    print(f"wrote {write_results(rows, sgemm, args.out, notes)}")
+    print(f"wrote {write_results(rows, args.out, notes)}")
     return 0

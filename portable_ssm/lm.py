@@ -7,6 +7,7 @@ the backbone and ``lm_head.weight`` (``embedding.weight`` itself when ``tie_embe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ._array import Array, Namespace, namespace
@@ -41,18 +42,20 @@ def embed(ids: Array, params: Params, *, xp: Namespace) -> Array:
 
 def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
            initial_state: Mamba2State | None = None, return_state: bool = False,
-           seq_idx: Array | None = None) -> Array | tuple[Array, Mamba2State]:
+           seq_idx: Array | None = None, layer: Callable[..., Any] | None = None
+           ) -> Array | tuple[Array, Mamba2State]:
     """Next-token logits ``[b, l, padded_vocab]`` for ``input_ids [b, l]`` (integers).
 
     With ``initial_state`` the ids continue an earlier sequence; ``return_state`` also returns the
     state after the last token, for :func:`logits_step`. ``seq_idx [b, l]`` (integer ids,
     non-decreasing along l) marks packed sequences: state and conv window reset wherever it
     changes; initial_state feeds each row's first sequence, the returned state is its last one's.
+    ``layer`` stands in for each layer's mixer, as in :func:`portable_ssm.forward`.
     """
     xp = check_params(params, config)
     namespace(input_ids=input_ids, params=params["embedding.weight"])
     shapes = _check_ids(input_ids, config, ("b", "l"), xp=xp)
-    run = _sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp)
+    run = _sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp, layer=layer)
     x = embed(input_ids, params, xp=xp)  # [b, l, d_model]
     if initial_state is not None:
         _check_state(initial_state, config, x, shapes, "initial_state", xp=xp)

@@ -10,6 +10,7 @@ computed as if alone.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -122,9 +123,14 @@ def _check_x(x: Array, params: Params, config: Mamba2Config, spec: tuple[str, ..
 
 
 def _sequence_mixer(seq_idx: Array | None, shapes: Shapes, ref_name: str, ref: Array, *, xp: Namespace,
-                    layer: Any = mixer) -> Any:
-    """The layer function for :func:`_blocks`: ``layer`` (``mixer`` or a wrapper taking its
-    arguments), given the run ids of ``seq_idx [b, l]`` once it is checked against ``ref``."""
+                    layer: Callable[..., Any] | None = None) -> Any:
+    """The layer function for :func:`_blocks`: ``layer`` (None for ``mixer``, or a callable with
+    its signature), given the run ids of ``seq_idx [b, l]`` once it is checked against ``ref``."""
+    if layer is None:
+        layer = mixer
+    elif not callable(layer):
+        raise TypeError(f"layer: expected None or a callable with portable_ssm.mixer.mixer's signature, "
+                        f"got {type(layer).__name__}")
     if seq_idx is None:
         return layer
     check_seq_idx(seq_idx, shapes, ref_name, ref, xp=xp)
@@ -178,7 +184,8 @@ def run_sequence(x: Array, params: Params, config: Mamba2Config, state: Mamba2St
 
 def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | None = None,
             backend: str | None = None, device: Any = None, initial_state: Mamba2State | None = None,
-            return_state: bool = False, seq_idx: Array | None = None) -> Array | tuple[Array, Mamba2State]:
+            return_state: bool = False, seq_idx: Array | None = None,
+            layer: Callable[..., Any] | None = None) -> Array | tuple[Array, Mamba2State]:
     """The Mamba-2 backbone over a sequence: ``x [b, l, d_model] -> [b, l, d_model]``.
 
     Equal to transformers' ``Mamba2Model(inputs_embeds=x).last_hidden_state`` for the same weights.
@@ -199,6 +206,9 @@ def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | No
         seq_idx: optional ``[b, l]`` integer sequence ids, non-decreasing along l (mamba_ssm's
             packed rows): the conv window and the SSM state reset wherever the id changes, so a
             packed row gives what each of its sequences gives alone.
+        layer: a stand-in for each layer's :func:`portable_ssm.mixer.mixer`, called with its
+            arguments, e.g. ``partial(torch.utils.checkpoint.checkpoint, mixer, use_reentrant=False)``
+            to recompute activations in backward. A stand-in sees the whole sequence (no token blocks).
 
     Returns:
         ``y [b, l, d_model]`` in x's dtype, or ``(y, state)``.
@@ -206,7 +216,7 @@ def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | No
     x, params, config, seq_idx = _resolve(x, params, config, backend, device, seq_idx)
     xp = check_params(params, config)
     shapes = _check_x(x, params, config, ("b", "l", "d_model"), xp=xp)
-    run = _sequence_mixer(seq_idx, shapes, "x", x, xp=xp)
+    run = _sequence_mixer(seq_idx, shapes, "x", x, xp=xp, layer=layer)
     if initial_state is not None:
         _check_state(initial_state, config, x, shapes, "initial_state", xp=xp)
     y, state = run_sequence(x, params, config, initial_state, run, xp=xp)

@@ -17,9 +17,18 @@ def test_quick_numpy_run_writes_a_markdown_table_and_a_png(tmp_path):
     for row in ("| seed | 2 | 24 | numpy |", "| 130m-layer | 1 | 64 | numpy |",
                 "| 130m-layer | 1 | 256 | numpy |", "| tiny-lm | 1 | numpy |", "| tiny-lm | 8 | numpy |"):
         assert row in text, row
-    assert "sgemm (numpy float32 matmul, same run):" in text and "FLOP count" in text
+    assert "sgemm over the cases (numpy float32 matmul, timed beside each):" in text and "FLOP count" in text
     png = (tmp_path / "scaling.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+
+def test_backends_are_timed_side_by_side_in_rounds():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name) or name) for name in ("numpy", "torch", "sgemm")}
+    measured = bench.measure(fns, repeats=3)
+    assert calls == ["numpy", "torch", "sgemm"] * 4  # one warm-up each, then three rounds in turn
+    assert {name: (runs, out) for name, (_, runs, _, _, out) in measured.items()} == {
+        name: (3, name) for name in fns}
 
 
 def test_parts_and_max_len_choose_the_shapes():
@@ -46,8 +55,10 @@ def one_torch_thread():
 def test_transformers_runs_the_same_weights_and_sets_the_ratios(one_torch_thread):
     pytest.importorskip("transformers")
     seed, _, lm = bench.QUICK
-    rows = bench.run_case(bench.Case("forward", "seed", seed, 2, 24), ["numpy", "transformers"], repeats=2)
+    rows = bench.run_case(bench.Case("forward", "seed", seed, 2, 24), ["numpy", "transformers"], repeats=2,
+                          sgemm_n=64)
     numpy_row = next(r for r in rows if r.backend == "numpy")
+    assert all(r.sgemm is not None and r.sgemm > 0 for r in rows)  # timed in the same rounds
     assert float(numpy_row.check) < 1e-5  # portable_ssm's output vs transformers' on the same weights
     assert numpy_row.ratio is not None and numpy_row.ratio > 0
     rows = bench.run_case(bench.Case("decode", "tiny-lm", lm, 2, bench.PROMPT), ["numpy", "transformers"], 2)

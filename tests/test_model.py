@@ -148,3 +148,26 @@ def test_long_inputs_run_in_token_blocks_with_the_same_result(monkeypatch):
     assert rel_err(blocked, whole) <= 1e-12
     for a, b in zip(whole_state.conv + whole_state.ssm, blocked_state.conv + blocked_state.ssm):
         assert rel_err(b, a) <= 1e-12
+
+
+def test_layer_stands_in_for_each_mixer_over_the_whole_sequence(monkeypatch):
+    import portable_ssm.model as model
+    from portable_ssm.mixer import mixer
+
+    params, x = host_model(seed=5), inputs(2, 30, CFG.d_model, seed=5)
+    seq_idx = np.repeat(np.array([[0] * 12 + [1] * 18]), 2, axis=0)
+    monkeypatch.setattr(model, "BLOCK_TOKENS", 8)  # the plain mixer would run in 4 blocks
+    calls = []
+
+    def layer(u, *args, **kwargs):
+        calls.append((u.shape, "seq_idx" in kwargs))
+        return mixer(u, *args, **kwargs)
+
+    for ids in (None, seq_idx):
+        expected = ps.forward(x, params, config=CFG, seq_idx=ids)
+        calls.clear()
+        got = ps.forward(x, params, config=CFG, seq_idx=ids, layer=layer)
+        assert rel_err(got, expected) <= 1e-12
+        assert calls == [((2, 30, CFG.d_model), ids is not None)] * CFG.n_layer
+    with pytest.raises(TypeError, match="layer: expected None or a callable"):
+        ps.forward(x, params, config=CFG, layer="checkpoint")
