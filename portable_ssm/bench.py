@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .bench_calls import DECODE_STEPS, PROMPT, Clock, decode, forward_fn, host, sgemm_call
 from .bench_report import Case, Row, proc_kib, write_results
 from .config import Mamba2Config
 
@@ -41,10 +42,8 @@ QUICK = (Mamba2Config(d_model=32, n_layer=2, d_state=8, headdim=16),
          Mamba2Config(d_model=32, n_layer=2, d_state=16, headdim=16, vocab_size=100))
 LENGTHS, QUICK_LENGTHS = (512, 2048, 8192, 32768), (64, 256)
 TRAIN_MAX_LEN = 8192  # longer training rows need more memory than a CPU runner is assumed to have
-PROMPT, DECODE_STEPS = 8, 32
 #: The sgemm timed beside every forward and training case, in the same rounds (``[n, n] @ [n, n]``).
 SGEMM, SGEMM_N = "sgemm", 4096
-Clock = Callable[[], float]
 CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
@@ -64,6 +63,16 @@ def cases(parts: tuple[str, ...], quick: bool, max_len: int | None) -> list[Case
     return out
 
 
+def groups(shapes: list[Case]) -> list[list[Case]]:
+    """Cases measured together (:func:`run_group`): forward or training cases of one shape family at
+    every length side by side, so time-vs-length ratios share the machine's load; decode cases alone."""
+    out: dict[tuple[str, str, int], list[Case]] = {}
+    for i, case in enumerate(shapes):
+        key = (case.part, case.name, i if case.part == "decode" else -1)
+        out.setdefault(key, []).append(case)
+    return list(out.values())
+
+
 def _timed(fn: Callable[[], Any], clock: Clock) -> tuple[float, float | None, Any]:
     """``(seconds, peak MiB over the RSS before the call or None, output)`` of one call. The peak is
     the process's VmHWM, reset through ``/proc/self/clear_refs`` (Linux; None elsewhere)."""
@@ -80,8 +89,8 @@ def _timed(fn: Callable[[], Any], clock: Clock) -> tuple[float, float | None, An
     return seconds, None if base is None or hwm is None else max(hwm - base, 0) / 1024, out
 
 
-def measure(fns: dict[str, Callable[[], Any]], repeats: int, clock: Clock = time.perf_counter,
-            budget_s: float = 30.0) -> dict[str, tuple[float, int, float, float | None, Any]]:
+def measure(fns: dict[Any, Callable[[], Any]], repeats: int, clock: Clock = time.perf_counter,
+            budget_s: float = 30.0) -> dict[Any, tuple[float, int, float, float | None, Any]]:
     """Side by side: one warm-up call of each function, then rounds that call each in turn, so every
     backend sees the same machine load; each gets ``repeats`` timed calls (fewer, at least two,
     when its first call says ``budget_s`` would be exceeded). Returns, per name, ``(median s, runs,
@@ -90,8 +99,8 @@ def measure(fns: dict[str, Callable[[], Any]], repeats: int, clock: Clock = time
     for name, fn in fns.items():
         first[name], _, out[name] = _timed(fn, clock)
     runs = {name: max(2, min(repeats, int(budget_s / max(first[name], 1e-9)))) for name in fns}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    peaks: dict[str, list[float | None]] = {name: [] for name in fns}
+    times: dict[Any, list[float]] = {name: [] for name in fns}
+    peaks: dict[Any, list[float | None]] = {name: [] for name in fns}
     for turn in range(max(runs.values(), default=0)):
         for name, fn in fns.items():
             if turn < runs[name]:
@@ -102,164 +111,65 @@ def measure(fns: dict[str, Callable[[], Any]], repeats: int, clock: Clock = time
                    None if None in peaks[name] else max(peaks[name]), out[name]) for name in fns}
 
 
-def _host(out: Any) -> Any:
-    import numpy as np
-
-    return np.asarray(out.detach().cpu() if hasattr(out, "detach") else out)
-
-
-def transformers_model(config: Mamba2Config, params: dict[str, Any], *, lm: bool = False) -> Any:
-    """transformers' ``Mamba2Model`` (``lm``: ``Mamba2ForCausalLM``) holding ``params`` (numpy,
-    core names), in eval mode. Its chunk size stays transformers' default (256); the vocabulary is
-    the padded one; a backbone without vocabulary gets an unused 16-row embedding."""
-    import torch
-    from transformers import Mamba2Config as HFConfig
-    from transformers import Mamba2ForCausalLM, Mamba2Model
-
-    c = config
-    hf = HFConfig(hidden_size=c.d_model, num_hidden_layers=c.n_layer, state_size=c.d_state,
-                  head_dim=c.headdim, num_heads=c.nheads, n_groups=c.ngroups, expand=c.expand,
-                  conv_kernel=c.d_conv, time_step_limit=c.dt_limit, layer_norm_epsilon=c.norm_eps,
-                  residual_in_fp32=c.residual_in_fp32, use_bias=c.bias, use_conv_bias=c.conv_bias,
-                  vocab_size=c.padded_vocab_size or 16, tie_word_embeddings=False, pad_token_id=0,
-                  bos_token_id=0, eos_token_id=None)
-    state = {k.replace("embedding.", "embeddings."): torch.from_numpy(v) for k, v in params.items()}
-    if not lm:
-        model = Mamba2Model(hf)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if unexpected or set(missing) - {"embeddings.weight"}:
-            raise RuntimeError(f"transformers layout changed: missing {missing}, unexpected {unexpected}")
-        return model.eval()
-    head = state.pop("lm_head.weight", state["embeddings.weight"])
-    model = Mamba2ForCausalLM(hf)
-    model.load_state_dict({"lm_head.weight": head, **{"backbone." + k: v for k, v in state.items()}})
-    return model.eval()
-
-
-def _forward_fn(backend: str, config: Mamba2Config, params: dict[str, Any], x: Any,
-                train: bool) -> Callable[[], Any]:
-    """A no-argument call running one forward (``train``: forward + backward) on ``backend``."""
-    from .model import forward
-
-    if backend == "numpy":
-        return lambda: forward(x, params, config=config)
-    if backend == "jax":
-        import jax
-
-        run = jax.jit(lambda xj, pj: forward(xj, pj, config=config))
-        xj, pj = jax.numpy.asarray(x), {k: jax.numpy.asarray(v) for k, v in params.items()}
-        return lambda: run(xj, pj).block_until_ready()
-    import torch
-
-    xt = torch.from_numpy(x)
-    if backend == "torch":
-        leaves = {k: torch.from_numpy(v).requires_grad_(train) for k, v in params.items()}
-
-        def call() -> Any:
-            return forward(xt, leaves, config=config)
-    else:
-        model = transformers_model(config, params).train(train)
-        leaves = dict(model.named_parameters())
-
-        def call() -> Any:
-            return model(inputs_embeds=xt).last_hidden_state
-    if not train:
-        return torch.inference_mode()(call)
-
-    def step() -> Any:
-        for v in leaves.values():
-            v.grad = None
-        y = call()
-        (y * y).mean().backward()
-        return y
-    return step
-
-
-def _decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
-            clock: Clock) -> tuple[list[float], Any]:
-    """Greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``: step seconds, tokens."""
-    import contextlib
-
-    import numpy as np
-
-    if backend == "transformers":
-        import torch
-        from transformers import LogitsProcessor, LogitsProcessorList
-
-        class Stamp(LogitsProcessor):  # called once per generated token: times each decode step
-            def __init__(self) -> None:
-                self.stamps: list[float] = []
-
-            def __call__(self, input_ids: Any, scores: Any) -> Any:
-                self.stamps.append(clock())
-                return scores
-
-        model, stamp = transformers_model(config, params, lm=True), Stamp()
-        with torch.inference_mode():
-            out = model.generate(torch.from_numpy(ids), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
-                                 use_cache=True, logits_processor=LogitsProcessorList([stamp]))
-        return list(np.diff(stamp.stamps)), _host(out[:, ids.shape[1]:])
-    from .backends import load, to_backend
-    from .lm import logits, logits_step
-
-    xp, p = load(backend).namespace(), {k: to_backend(v, backend) for k, v in params.items()}
-    no_grad = __import__("torch").inference_mode() if backend == "torch" else contextlib.nullcontext()
-    with no_grad:
-        out, state = logits(to_backend(ids, backend), p, config=config, return_state=True)
-        tokens, times = [xp.argmax(out[:, -1, :], axis=-1)], []
-        for _ in range(DECODE_STEPS):
-            start = clock()
-            out, state = logits_step(tokens[-1], state, p, config=config)
-            tokens.append(xp.argmax(out, axis=-1))
-            times.append(clock() - start)
-    return times, np.stack([_host(t) for t in tokens], axis=1)
-
-
 def run_case(case: Case, backends: list[str], repeats: int, clock: Clock = time.perf_counter,
              sgemm_n: int = SGEMM_N) -> list[Row]:
-    """Measures one case on each backend that applies, side by side with an ``[sgemm_n, sgemm_n]``
-    sgemm (forward and training cases), then fills ratios and agreement checks."""
+    """Measures one case on each backend that applies (see :func:`run_group`)."""
+    return run_group([case], backends, repeats, clock, sgemm_n)
+
+
+def _inputs(case: Case) -> Any:
+    """The case's input: token ids for decode, else float32 embeddings (the same for every backend)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    if case.part == "decode":
+        return rng.integers(0, case.config.vocab_size, (case.batch, case.length))
+    return rng.standard_normal((case.batch, case.length, case.config.d_model)).astype(np.float32)
+
+
+def _applies(case: Case, backend: str) -> bool:
+    """jax has no decode row; training runs on torch (portable_ssm) and transformers only."""
+    if case.part == "decode":
+        return backend != "jax"
+    return case.part == "forward" or backend in ("torch", "transformers")
+
+
+def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock = time.perf_counter,
+              sgemm_n: int = SGEMM_N) -> list[Row]:
+    """Measures cases of one config on each backend that applies, then fills ratios (to transformers
+    on the same case) and agreement checks. Forward and training calls of every case and backend
+    and an ``[sgemm_n, sgemm_n]`` sgemm run side by side in the same rounds (:func:`measure`), so
+    ratios across backends and across lengths compare calls made under the same machine load;
+    decode steps are timed backend after backend."""
     import numpy as np
 
     from .params import init_params
 
-    params, rng = init_params(case.config, seed=0), np.random.default_rng(1)
-    if case.part == "decode":
-        x = rng.integers(0, case.config.vocab_size, (case.batch, case.length))
-        backends = [b for b in backends if b != "jax"]
-    else:
-        x = rng.standard_normal((case.batch, case.length, case.config.d_model)).astype(np.float32)
-        backends = [b for b in backends if case.part == "forward" or b in ("torch", "transformers")]
+    params = init_params(group[0].config, seed=0)
+    inputs = {case: _inputs(case) for case in group}
+    pairs = [(case, b) for case in group for b in backends if _applies(case, b)]
     rows, outputs = [], {}
-    if case.part == "decode":
-        for backend in backends:
-            times, outputs[backend] = _decode(backend, case.config, params, x, clock)
+    if group[0].part == "decode":
+        for case, backend in pairs:
+            times, outputs[case, backend] = decode(backend, case.config, params, inputs[case], clock)
             rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None))
     else:
-        fns = {b: _forward_fn(b, case.config, params, x, case.part == "train") for b in backends}
-        measured = measure({**fns, SGEMM: _sgemm_call(sgemm_n)}, repeats, clock)
+        fns = {(case, b): forward_fn(b, case.config, params, inputs[case], case.part == "train") for case, b in pairs}
+        measured = measure({**fns, SGEMM: sgemm_call(sgemm_n)}, repeats, clock)
         sgemm = 2 * sgemm_n**3 / measured.pop(SGEMM)[0] / 1e9
-        for backend, (seconds, runs, first, peak, out) in measured.items():
-            outputs[backend] = _host(out)
+        for (case, backend), (seconds, runs, first, peak, out) in measured.items():
+            outputs[case, backend] = host(out)
             rows.append(Row(case, backend, seconds, runs, first, peak, sgemm=sgemm))
-    ref = outputs.get("transformers", outputs.get("numpy"))
-    base = next((r.seconds for r in rows if r.backend == "transformers"), None)
     for row in rows:
+        ref = outputs.get((row.case, "transformers"), outputs.get((row.case, "numpy")))
+        base = next((r.seconds for r in rows if r.case == row.case and r.backend == "transformers"), None)
         row.ratio = None if base is None else base / row.seconds
-        got = outputs[row.backend]
-        if ref is not None and case.part == "decode":
+        got = outputs[row.case, row.backend]
+        if ref is not None and row.case.part == "decode":
             row.check = f"{int((got == ref).sum())}/{ref.size}"
         elif ref is not None:
             row.check = f"{float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30)):.1e}"
-    return rows
-
-
-def _sgemm_call(n: int) -> Callable[[], Any]:
-    """One numpy float32 ``[n, n] @ [n, n]``: the machine's matrix-multiply rate, timed in the rounds."""
-    import numpy as np
-
-    a = np.random.default_rng(0).standard_normal((2, n, n)).astype(np.float32)
-    return lambda: a[0] @ a[1]
+    return sorted(rows, key=lambda r: (group.index(r.case), backends.index(r.backend)))
 
 
 def _set_threads(threads: int | None) -> list[str]:
@@ -306,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         backends = [b for b in backends if b != "transformers"]
     notes += [f"skipped (not installed): {b}" for b in wanted if b not in backends]
     notes += [f"load average at start: {', '.join(f'{v:.1f}' for v in os.getloadavg())}",
-              "forward and training cases run side by side: one warm-up call per backend, then rounds "
-              f"that call every backend and a numpy [{SGEMM_N}, {SGEMM_N}] float32 sgemm in turn; medians "
-              "per backend; % sgemm is against the sgemm timed in the same rounds",
+              "forward and training rows of one shape run side by side, every length and backend: one "
+              "warm-up call each, then rounds that call each of them and a numpy "
+              f"[{SGEMM_N}, {SGEMM_N}] float32 sgemm in turn; medians per row; % sgemm is against the "
+              "sgemm timed in the same rounds, so ratios across backends and lengths share the machine's load",
               "jax rows time `jax.jit(forward)`; their first ms includes the compile",
               f"decode: {PROMPT}-token prompt, then {DECODE_STEPS} greedy steps timed one by one "
               "(portable_ssm.lm.logits_step + argmax; transformers: generate(use_cache=True))"]
@@ -316,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.clock == "cpu":
         notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
     rows: list[Row] = []
-    for case in tqdm(cases(parts, args.quick, args.max_len), desc="bench", unit="shape"):
-        rows += run_case(case, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N)
+    for group in tqdm(groups(cases(parts, args.quick, args.max_len)), desc="bench", unit="group"):
+        rows += run_group(group, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print(f"wrote {write_results(rows, args.out, notes)}")
     return 0

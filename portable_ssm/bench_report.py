@@ -219,7 +219,7 @@ def write_results(rows: list[Row], out: Path, notes: list[str]) -> Path:
     text += [f"- {line}" for line in _machine() + notes]
     rates = sorted({r.sgemm for r in rows if r.sgemm is not None})
     if rates:
-        text.append(f"- sgemm over the cases (numpy float32 matmul, timed beside each): {rates[0]:.1f} to "
+        text.append(f"- sgemm over the groups (numpy float32 matmul, timed beside each): {rates[0]:.1f} to "
                     f"{rates[-1]:.1f} GFLOP/s, median {statistics.median(rates):.1f}")
     text += ["", FLOP_NOTE, ""] + _targets(rows, curves) + _tables(rows)
     if curves:

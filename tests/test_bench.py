@@ -17,7 +17,7 @@ def test_quick_numpy_run_writes_a_markdown_table_and_a_png(tmp_path):
     for row in ("| seed | 2 | 24 | numpy |", "| 130m-layer | 1 | 64 | numpy |",
                 "| 130m-layer | 1 | 256 | numpy |", "| tiny-lm | 1 | numpy |", "| tiny-lm | 8 | numpy |"):
         assert row in text, row
-    assert "sgemm over the cases (numpy float32 matmul, timed beside each):" in text and "FLOP count" in text
+    assert "sgemm over the groups (numpy float32 matmul, timed beside each):" in text and "FLOP count" in text
     png = (tmp_path / "scaling.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
 
@@ -29,6 +29,14 @@ def test_backends_are_timed_side_by_side_in_rounds():
     assert calls == ["numpy", "torch", "sgemm"] * 4  # one warm-up each, then three rounds in turn
     assert {name: (runs, out) for name, (_, runs, _, _, out) in measured.items()} == {
         name: (3, name) for name in fns}
+
+
+def test_lengths_of_one_shape_are_measured_as_one_group():
+    shapes = bench.cases(("forward", "train", "decode"), quick=False, max_len=None)
+    assert [[(c.part, c.name, c.length) for c in g] for g in bench.groups(shapes)] == [
+        [("forward", "seed", 60)], [("forward", "130m-layer", n) for n in bench.LENGTHS],
+        [("train", "seed", 60)], [("train", "130m-layer", n) for n in bench.LENGTHS if n <= bench.TRAIN_MAX_LEN],
+        [("decode", "130m-lm", bench.PROMPT)], [("decode", "130m-lm", bench.PROMPT)]]
 
 
 def test_parts_and_max_len_choose_the_shapes():

@@ -12,7 +12,7 @@ import portable_ssm
 PACKAGE = pathlib.Path(portable_ssm.__file__).parent
 FRAMEWORKS = {"numpy", "torch", "cupy", "jax", "jaxlib", "array_api_strict"}
 #: Tooling outside the array-API core; these may import frameworks lazily, inside functions.
-TOOLING = {"bench.py", "bench_report.py", "cli.py", "__main__.py", "pretrained.py"}
+TOOLING = {"bench.py", "bench_calls.py", "bench_report.py", "cli.py", "__main__.py", "pretrained.py"}
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:

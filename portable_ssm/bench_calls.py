@@ -1,0 +1,138 @@
+"""What the benchmarks time (tooling, not core): one call per backend on identical weights.
+
+:func:`forward_fn` builds a no-argument forward (or forward + backward) on numpy, torch, jax or
+transformers' pure-torch ``Mamba2Model``; :func:`decode` times greedy decode steps;
+:func:`sgemm_call` is the matrix multiply the machine's rate is measured with. Frameworks are
+imported inside functions only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .config import Mamba2Config
+
+Clock = Callable[[], float]
+PROMPT, DECODE_STEPS = 8, 32
+
+
+def host(out: Any) -> Any:
+    import numpy as np
+
+    return np.asarray(out.detach().cpu() if hasattr(out, "detach") else out)
+
+
+def transformers_model(config: Mamba2Config, params: dict[str, Any], *, lm: bool = False) -> Any:
+    """transformers' ``Mamba2Model`` (``lm``: ``Mamba2ForCausalLM``) holding ``params`` (numpy,
+    core names), in eval mode. Its chunk size stays transformers' default (256); the vocabulary is
+    the padded one; a backbone without vocabulary gets an unused 16-row embedding."""
+    import torch
+    from transformers import Mamba2Config as HFConfig
+    from transformers import Mamba2ForCausalLM, Mamba2Model
+
+    c = config
+    hf = HFConfig(hidden_size=c.d_model, num_hidden_layers=c.n_layer, state_size=c.d_state,
+                  head_dim=c.headdim, num_heads=c.nheads, n_groups=c.ngroups, expand=c.expand,
+                  conv_kernel=c.d_conv, time_step_limit=c.dt_limit, layer_norm_epsilon=c.norm_eps,
+                  residual_in_fp32=c.residual_in_fp32, use_bias=c.bias, use_conv_bias=c.conv_bias,
+                  vocab_size=c.padded_vocab_size or 16, tie_word_embeddings=False, pad_token_id=0,
+                  bos_token_id=0, eos_token_id=None)
+    state = {k.replace("embedding.", "embeddings."): torch.from_numpy(v) for k, v in params.items()}
+    if not lm:
+        model = Mamba2Model(hf)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"embeddings.weight"}:
+            raise RuntimeError(f"transformers layout changed: missing {missing}, unexpected {unexpected}")
+        return model.eval()
+    head = state.pop("lm_head.weight", state["embeddings.weight"])
+    model = Mamba2ForCausalLM(hf)
+    model.load_state_dict({"lm_head.weight": head, **{"backbone." + k: v for k, v in state.items()}})
+    return model.eval()
+
+
+def forward_fn(backend: str, config: Mamba2Config, params: dict[str, Any], x: Any,
+                train: bool) -> Callable[[], Any]:
+    """A no-argument call running one forward (``train``: forward + backward) on ``backend``."""
+    from .model import forward
+
+    if backend == "numpy":
+        return lambda: forward(x, params, config=config)
+    if backend == "jax":
+        import jax
+
+        run = jax.jit(lambda xj, pj: forward(xj, pj, config=config))
+        xj, pj = jax.numpy.asarray(x), {k: jax.numpy.asarray(v) for k, v in params.items()}
+        return lambda: run(xj, pj).block_until_ready()
+    import torch
+
+    xt = torch.from_numpy(x)
+    if backend == "torch":
+        leaves = {k: torch.from_numpy(v).requires_grad_(train) for k, v in params.items()}
+
+        def call() -> Any:
+            return forward(xt, leaves, config=config)
+    else:
+        model = transformers_model(config, params).train(train)
+        leaves = dict(model.named_parameters())
+
+        def call() -> Any:
+            return model(inputs_embeds=xt).last_hidden_state
+    if not train:
+        return torch.inference_mode()(call)
+
+    def step() -> Any:
+        for v in leaves.values():
+            v.grad = None
+        y = call()
+        (y * y).mean().backward()
+        return y
+    return step
+
+
+def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
+            clock: Clock) -> tuple[list[float], Any]:
+    """Greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``: step seconds, tokens."""
+    import contextlib
+
+    import numpy as np
+
+    if backend == "transformers":
+        import torch
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        class Stamp(LogitsProcessor):  # called once per generated token: times each decode step
+            def __init__(self) -> None:
+                self.stamps: list[float] = []
+
+            def __call__(self, input_ids: Any, scores: Any) -> Any:
+                self.stamps.append(clock())
+                return scores
+
+        model, stamp = transformers_model(config, params, lm=True), Stamp()
+        with torch.inference_mode():
+            out = model.generate(torch.from_numpy(ids), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
+                                 use_cache=True, logits_processor=LogitsProcessorList([stamp]))
+        return list(np.diff(stamp.stamps)), host(out[:, ids.shape[1]:])
+    from .backends import load, to_backend
+    from .lm import logits, logits_step
+
+    xp, p = load(backend).namespace(), {k: to_backend(v, backend) for k, v in params.items()}
+    no_grad = __import__("torch").inference_mode() if backend == "torch" else contextlib.nullcontext()
+    with no_grad:
+        out, state = logits(to_backend(ids, backend), p, config=config, return_state=True)
+        tokens, times = [xp.argmax(out[:, -1, :], axis=-1)], []
+        for _ in range(DECODE_STEPS):
+            start = clock()
+            out, state = logits_step(tokens[-1], state, p, config=config)
+            tokens.append(xp.argmax(out, axis=-1))
+            times.append(clock() - start)
+    return times, np.stack([host(t) for t in tokens], axis=1)
+
+
+def sgemm_call(n: int) -> Callable[[], Any]:
+    """One numpy float32 ``[n, n] @ [n, n]``: the machine's matrix-multiply rate, timed in the rounds."""
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((2, n, n)).astype(np.float32)
+    return lambda: a[0] @ a[1]
