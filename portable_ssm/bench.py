@@ -89,22 +89,37 @@ def _timed(fn: Callable[[], Any], clock: Clock) -> tuple[float, float | None, An
     return seconds, None if base is None or hwm is None else max(hwm - base, 0) / 1024, out
 
 
+def _timed_calls(fn: Callable[[], Any], calls: int, clock: Clock) -> tuple[float, float | None, Any]:
+    """:func:`_timed` over ``calls`` back-to-back calls: ``(mean s per call, peak MiB, last output)``."""
+    def batch() -> Any:
+        for _ in range(calls - 1):
+            fn()
+        return fn()
+
+    seconds, peak, out = _timed(batch, clock)
+    return seconds / calls, peak, out
+
+
 def measure(fns: dict[Any, Callable[[], Any]], repeats: int, clock: Clock = time.perf_counter,
-            budget_s: float = 30.0) -> dict[Any, tuple[float, int, float, float | None, Any]]:
-    """Side by side: one warm-up call of each function, then rounds that call each in turn, so every
-    backend sees the same machine load; each gets ``repeats`` timed calls (fewer, at least two,
-    when its first call says ``budget_s`` would be exceeded). Returns, per name, ``(median s, runs,
-    first-call s, peak MiB or None, last output)``."""
-    first, out = {}, {}
+            budget_s: float = 30.0, sample_s: float = 1.0) -> dict[Any, tuple[float, int, float, float | None, Any]]:
+    """Side by side: a warm-up and a calibration call of each function, then rounds that take one
+    sample of each in turn, so every function sees the same machine load. A sample is the mean of
+    enough back-to-back calls to last about ``sample_s`` (one for slow calls), so short and long
+    calls average over comparable stretches of time; each function gets ``repeats`` samples (fewer,
+    at least two, past ``budget_s``). Returns, per name, ``(median s per call, samples, first-call
+    s, peak MiB or None, last output)``."""
+    first, out, calls = {}, {}, {}
     for name, fn in fns.items():
         first[name], _, out[name] = _timed(fn, clock)
-    runs = {name: max(2, min(repeats, int(budget_s / max(first[name], 1e-9)))) for name in fns}
+        warm, _, out[name] = _timed(fn, clock)
+        calls[name] = max(1, round(sample_s / max(warm, 1e-9)))
+    runs = {name: max(2, min(repeats, int(budget_s / max(first[name], sample_s)))) for name in fns}
     times: dict[Any, list[float]] = {name: [] for name in fns}
     peaks: dict[Any, list[float | None]] = {name: [] for name in fns}
     for turn in range(max(runs.values(), default=0)):
         for name, fn in fns.items():
             if turn < runs[name]:
-                seconds, peak, out[name] = _timed(fn, clock)
+                seconds, peak, out[name] = _timed_calls(fn, calls[name], clock)
                 times[name].append(seconds)
                 peaks[name].append(peak)
     return {name: (statistics.median(times[name]), runs[name], first[name],
@@ -112,9 +127,9 @@ def measure(fns: dict[Any, Callable[[], Any]], repeats: int, clock: Clock = time
 
 
 def run_case(case: Case, backends: list[str], repeats: int, clock: Clock = time.perf_counter,
-             sgemm_n: int = SGEMM_N) -> list[Row]:
+             sgemm_n: int = SGEMM_N, sample_s: float = 1.0) -> list[Row]:
     """Measures one case on each backend that applies (see :func:`run_group`)."""
-    return run_group([case], backends, repeats, clock, sgemm_n)
+    return run_group([case], backends, repeats, clock, sgemm_n, sample_s)
 
 
 def _inputs(case: Case) -> Any:
@@ -135,7 +150,7 @@ def _applies(case: Case, backend: str) -> bool:
 
 
 def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock = time.perf_counter,
-              sgemm_n: int = SGEMM_N) -> list[Row]:
+              sgemm_n: int = SGEMM_N, sample_s: float = 1.0) -> list[Row]:
     """Measures cases of one config on each backend that applies, then fills ratios (to transformers
     on the same case) and agreement checks. Forward and training calls of every case and backend
     and an ``[sgemm_n, sgemm_n]`` sgemm run side by side in the same rounds (:func:`measure`), so
@@ -155,7 +170,7 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
             rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None))
     else:
         fns = {(case, b): forward_fn(b, case.config, params, inputs[case], case.part == "train") for case, b in pairs}
-        measured = measure({**fns, SGEMM: sgemm_call(sgemm_n)}, repeats, clock)
+        measured = measure({**fns, SGEMM: sgemm_call(sgemm_n)}, repeats, clock, sample_s=sample_s)
         sgemm = 2 * sgemm_n**3 / measured.pop(SGEMM)[0] / 1e9
         for (case, backend), (seconds, runs, first, peak, out) in measured.items():
             outputs[case, backend] = host(out)
@@ -217,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     notes += [f"skipped (not installed): {b}" for b in wanted if b not in backends]
     notes += [f"load average at start: {', '.join(f'{v:.1f}' for v in os.getloadavg())}",
               "forward and training rows of one shape run side by side, every length and backend: one "
-              "warm-up call each, then rounds that call each of them and a numpy "
-              f"[{SGEMM_N}, {SGEMM_N}] float32 sgemm in turn; medians per row; % sgemm is against the "
+              "warm-up call each, then rounds that take a sample of each of them and of a numpy "
+              f"[{SGEMM_N}, {SGEMM_N}] float32 sgemm in turn (a sample: the mean of back-to-back calls "
+              "lasting about 1 s, or one slower call); medians of the samples; % sgemm is against the "
               "sgemm timed in the same rounds, so ratios across backends and lengths share the machine's load",
               "jax rows time `jax.jit(forward)`; their first ms includes the compile",
               f"decode: {PROMPT}-token prompt, then {DECODE_STEPS} greedy steps timed one by one "
@@ -228,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
     rows: list[Row] = []
     for group in tqdm(groups(cases(parts, args.quick, args.max_len)), desc="bench", unit="group"):
-        rows += run_group(group, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N)
+        rows += run_group(group, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N,
+                          sample_s=0.05 if args.quick else 1.0)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print(f"wrote {write_results(rows, args.out, notes)}")
     return 0

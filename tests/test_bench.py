@@ -25,10 +25,19 @@ def test_quick_numpy_run_writes_a_markdown_table_and_a_png(tmp_path):
 def test_backends_are_timed_side_by_side_in_rounds():
     calls = []
     fns = {name: (lambda name=name: calls.append(name) or name) for name in ("numpy", "torch", "sgemm")}
-    measured = bench.measure(fns, repeats=3)
-    assert calls == ["numpy", "torch", "sgemm"] * 4  # one warm-up each, then three rounds in turn
+    measured = bench.measure(fns, repeats=3, sample_s=0)
+    assert calls == ["numpy"] * 2 + ["torch"] * 2 + ["sgemm"] * 2 + ["numpy", "torch", "sgemm"] * 3
     assert {name: (runs, out) for name, (_, runs, _, _, out) in measured.items()} == {
         name: (3, name) for name in fns}
+
+
+def test_a_sample_of_quick_calls_averages_back_to_back_calls():
+    done = []  # a clock that advances 10 ms per call made
+    measured = bench.measure({"fast": lambda: done.append(1)}, repeats=2, clock=lambda: 0.01 * len(done),
+                             sample_s=0.05)
+    median, runs, *_ = measured["fast"]
+    assert runs == 2 and median == pytest.approx(0.01)
+    assert len(done) == 2 + 2 * 5  # warm-up and calibration, then two samples of five calls
 
 
 def test_lengths_of_one_shape_are_measured_as_one_group():
@@ -64,7 +73,7 @@ def test_transformers_runs_the_same_weights_and_sets_the_ratios(one_torch_thread
     pytest.importorskip("transformers")
     seed, _, lm = bench.QUICK
     rows = bench.run_case(bench.Case("forward", "seed", seed, 2, 24), ["numpy", "transformers"], repeats=2,
-                          sgemm_n=64)
+                          sgemm_n=64, sample_s=0.01)
     numpy_row = next(r for r in rows if r.backend == "numpy")
     assert all(r.sgemm is not None and r.sgemm > 0 for r in rows)  # timed in the same rounds
     assert float(numpy_row.check) < 1e-5  # portable_ssm's output vs transformers' on the same weights
