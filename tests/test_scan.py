@@ -176,23 +176,28 @@ def test_chunk_size_selection_avoids_padding_short_sequences():
         assert Q <= max(l, 1) and c * Q - l < c, (l, Q)
 
 
-def test_jax_native_state_passing_agrees_with_the_loop():
-    jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
-    import jax.numpy as jnp
-    from portable_ssm.backends import fast_op
+@pytest.mark.parametrize("backend", ["numpy", "jax"])
+def test_native_state_passing_agrees_with_the_loop(backend):
+    if backend == "jax":
+        jax = pytest.importorskip("jax")
+        jax.config.update("jax_enable_x64", True)
+    from portable_ssm.backends import fast_op, load
 
     from portable_ssm.ssd import pass_states_ref
 
-    native = fast_op(jnp, "pass_states")
+    xp = load(backend).namespace()
+    native = fast_op(xp, "pass_states")
     assert native is not None
     rng = np.random.default_rng(0)
     b, c, g, n, r, p, Q = 2, 7, 2, 4, 3, 5, 6
-    state = jnp.asarray(rng.standard_normal((b, g, n, r, p)))
-    decay = jnp.asarray(rng.uniform(0, 1, (b, c, g, 1, r, 1)))
-    Bt, X, C = (jnp.asarray(rng.standard_normal(s)) for s in ((b, c, g, n, Q), (b, c, g, Q, r * p), (b, c, g, Q, n)))
+    state = xp.asarray(rng.standard_normal((b, g, n, r, p)))
+    decay = xp.asarray(rng.uniform(0, 1, (b, c, g, 1, r, 1)))
+    Bt, C = (xp.asarray(rng.standard_normal(s)) for s in ((b, c, g, n, Q), (b, c, g, Q, n)))
+    X = xp.permute_dims(xp.asarray(rng.standard_normal((b, c, Q, g, r * p))), (0, 1, 3, 2, 4))  # as the scan: a view
+    before = np.array(state, copy=True)
     outputs, final = native(state, decay, Bt, X, C)
-    outputs_ref, final_ref = pass_states_ref(state, decay, Bt, X, C, xp=jnp)
-    assert outputs.shape == (b, c, g, Q, r * p)
+    outputs_ref, final_ref = pass_states_ref(state, decay, Bt, X, C, xp=xp)
+    assert outputs.shape == (b, c, g, Q, r * p) and final.shape == state.shape
     np.testing.assert_allclose(np.asarray(outputs), np.asarray(outputs_ref), rtol=1e-12)
     np.testing.assert_allclose(np.asarray(final), np.asarray(final_ref), rtol=1e-12)
+    np.testing.assert_array_equal(np.asarray(state), before)  # the caller's state is left alone
