@@ -126,12 +126,6 @@ def measure(fns: dict[Any, Callable[[], Any]], repeats: int, clock: Clock = time
                    None if None in peaks[name] else max(peaks[name]), out[name]) for name in fns}
 
 
-def run_case(case: Case, backends: list[str], repeats: int, clock: Clock = time.perf_counter,
-             sgemm_n: int = SGEMM_N, sample_s: float = 1.0) -> list[Row]:
-    """Measures one case on each backend that applies (see :func:`run_group`)."""
-    return run_group([case], backends, repeats, clock, sgemm_n, sample_s)
-
-
 def _inputs(case: Case) -> Any:
     """The case's input: token ids for decode, else float32 embeddings (the same for every backend)."""
     import numpy as np

@@ -72,12 +72,12 @@ def one_torch_thread():
 def test_transformers_runs_the_same_weights_and_sets_the_ratios(one_torch_thread):
     pytest.importorskip("transformers")
     seed, _, lm = bench.QUICK
-    rows = bench.run_case(bench.Case("forward", "seed", seed, 2, 24), ["numpy", "transformers"], repeats=2,
-                          sgemm_n=64, sample_s=0.01)
+    rows = bench.run_group([bench.Case("forward", "seed", seed, 2, 24)], ["numpy", "transformers"], repeats=2,
+                           sgemm_n=64, sample_s=0.01)
     numpy_row = next(r for r in rows if r.backend == "numpy")
     assert all(r.sgemm is not None and r.sgemm > 0 for r in rows)  # timed in the same rounds
     assert float(numpy_row.check) < 1e-5  # portable_ssm's output vs transformers' on the same weights
     assert numpy_row.ratio is not None and numpy_row.ratio > 0
-    rows = bench.run_case(bench.Case("decode", "tiny-lm", lm, 2, bench.PROMPT), ["numpy", "transformers"], 2)
+    rows = bench.run_group([bench.Case("decode", "tiny-lm", lm, 2, bench.PROMPT)], ["numpy", "transformers"], 2)
     tokens = 2 * (bench.DECODE_STEPS + 1)
     assert [r.check for r in rows] == [f"{tokens}/{tokens}"] * 2  # greedy tokens agree step by step
