@@ -42,9 +42,9 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def pass_states(state: Any, decay: Any, Bt: Any, X: Any, C: Any) -> tuple[Any, Any]:
+def pass_states(state: Any, chunk_decay: Any, Bt: Any, X: Any, C: Any) -> tuple[Any, Any]:
     """``jax.lax.scan`` version of ``portable_ssm.ssd.pass_states_ref``: per chunk, the entering
-    state read by C, then ``S_in[c+1] = decay[c] · S_in[c] + B_cᵀ X_c``; traced once instead of
+    state read by C, then ``S_in[c+1] = chunk_decay[c] · S_in[c] + B_cᵀ X_c``; traced once instead of
     unrolled per chunk."""
     b, g, n, r, p = state.shape
 
@@ -54,7 +54,7 @@ def pass_states(state: Any, decay: Any, Bt: Any, X: Any, C: Any) -> tuple[Any, A
         added = jnp.reshape(jnp.matmul(Bt_c, X_c), carry.shape)  # [b, g, n, r·p] -> [b, g, n, r, p]
         return decay_c * carry + added, out
 
-    chunks = tuple(jnp.moveaxis(v, 1, 0) for v in (decay, Bt, X, C))  # [b, c, ...] -> [c, b, ...]
+    chunks = tuple(jnp.moveaxis(v, 1, 0) for v in (chunk_decay, Bt, X, C))  # [b, c, ...] -> [c, b, ...]
     final, outputs = jax.lax.scan(body, state, chunks)
     return jnp.moveaxis(outputs, 0, 1), final  # [c, b, g, Q, r·p] -> [b, c, g, Q, r·p]
 

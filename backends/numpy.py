@@ -72,17 +72,17 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
     return y, np.swapaxes(padded[:, l - 1:], 1, 2)  # last k inputs, [b, d, k]
 
 
-def pass_states(state: np.ndarray, decay: np.ndarray, Bt: np.ndarray, X: np.ndarray,
+def pass_states(state: np.ndarray, chunk_decay: np.ndarray, Bt: np.ndarray, X: np.ndarray,
                 C: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """In-place version of ``portable_ssm.ssd.pass_states_ref``: each chunk's ``C_c S_in[c]`` is
     written straight into one output array and the state is updated in place (in a copy: the
     caller's state is never modified), so no per-chunk temporaries or final stack are allocated
     (about 10% of a 130m layer's forward at l=2048). Shapes as the reference: state
-    ``[b, g, n, r, p]``, decay ``[b, c, g, 1, r, 1]``, Bt ``[b, c, g, n, Q]``, X ``[b, c, g, Q, r·p]``,
+    ``[b, g, n, r, p]``, chunk_decay ``[b, c, g, 1, r, 1]``, Bt ``[b, c, g, n, Q]``, X ``[b, c, g, Q, r·p]``,
     C ``[b, c, g, Q, n]`` -> ``(outputs [b, c, g, Q, r·p], final state [b, g, n, r, p])``."""
     b, g, n, r, p = state.shape
     c, Q = C.shape[1], C.shape[3]
-    dtype = np.result_type(state, decay, Bt, X, C)
+    dtype = np.result_type(state, chunk_decay, Bt, X, C)
     outputs = np.empty((b, c, g, Q, r * p), dtype=dtype)
     final = np.array(state, dtype=dtype, order="C")  # [b, g, n, r, p], updated in place
     flat = final.reshape(b, g, n, r * p)  # a view of it
@@ -90,7 +90,7 @@ def pass_states(state: np.ndarray, decay: np.ndarray, Bt: np.ndarray, X: np.ndar
     for i in range(c):
         np.matmul(C[:, i], flat, out=outputs[:, i])  # the state entering chunk i, read by its C
         np.matmul(Bt[:, i], X[:, i], out=added)  # what chunk i adds
-        final *= decay[:, i]
+        final *= chunk_decay[:, i]
         flat += added
     return outputs, final
 

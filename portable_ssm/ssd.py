@@ -125,30 +125,30 @@ def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size
     return y, final
 
 
-def pass_states(state: Array, decay: Array, Bt: Array, X: Array, C: Array, *,
+def pass_states(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Array, *,
                 xp: Namespace) -> tuple[Array, Array]:
     """Steps 2 to 4 chunk by chunk from ``state [b, g, n, r, p]``: the entering state is read by
     the chunk's C (``C_c S_in[c]``), then the chunk's own contribution is added,
-    ``S_in[c+1] = decay[c] · S_in[c] + B_cᵀ X_c``. Only one state is alive at a time, never the
+    ``S_in[c+1] = chunk_decay[c] · S_in[c] + B_cᵀ X_c``. Only one state is alive at a time, never the
     ``[b, c, g, n, r·p]`` stack of them.
 
-    ``decay [b, c, g, 1, r, 1]`` (chunk decay), ``Bt [b, c, g, n, Q]``, ``X [b, c, g, Q, r·p]``
+    ``chunk_decay [b, c, g, 1, r, 1]``, ``Bt [b, c, g, n, Q]``, ``X [b, c, g, Q, r·p]``
     (already decayed to the chunk's end), ``C [b, c, g, Q, n]``. Returns ``(C_c S_in[c]`` for every
     chunk ``[b, c, g, Q, r·p]``, the state leaving the last chunk). A backend may provide a native
     version (``fast_op(xp, "pass_states")``: ``jax.lax.scan`` compiles once, not per chunk)."""
     native = fast_op(xp, "pass_states")
     if native is not None:
-        return native(state, decay, Bt, X, C)
-    return pass_states_ref(state, decay, Bt, X, C, xp=xp)
+        return native(state, chunk_decay, Bt, X, C)
+    return pass_states_ref(state, chunk_decay, Bt, X, C, xp=xp)
 
 
-def pass_states_ref(state: Array, decay: Array, Bt: Array, X: Array, C: Array, *,
+def pass_states_ref(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Array, *,
                     xp: Namespace) -> tuple[Array, Array]:
     """The Python loop over chunks (unstacked, not indexed: autograd then adds one gradient per
     chunk, not a full-size zero fill)."""
     b, g, n, r, p = state.shape
     outputs = []
-    for decay_i, Bt_i, X_i, C_i in zip(*(xp.unstack(v, axis=1) for v in (decay, Bt, X, C))):
+    for decay_i, Bt_i, X_i, C_i in zip(*(xp.unstack(v, axis=1) for v in (chunk_decay, Bt, X, C))):
         outputs.append(_matmul(C_i, xp.reshape(state, (b, g, n, r * p)), xp=xp))  # [b, g, Q, r·p]
         added = xp.reshape(_matmul(Bt_i, X_i, xp=xp), state.shape)  # [b, g, n, r·p] -> [b, g, n, r, p]
         state = decay_i * state + added
