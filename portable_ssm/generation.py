@@ -21,10 +21,11 @@ every row has finished, so the result has ``new <= max_new_tokens`` columns.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
-from ._array import Array, Namespace, array_backend, compute_dtype, device, dtype_name, namespace
+from ._array import Array, Namespace, array_backend, compute_dtype, constant, device, dtype_name, namespace
 from ._checks import check_positive_int
 from .backends import load, to_backend
 from .config import Mamba2Config
@@ -54,7 +55,7 @@ def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
 
 def _mask_below(scores: Array, threshold: Array, *, xp: Namespace) -> Array:
     """``scores`` with every entry below its row's ``threshold [b, 1]`` set to -inf."""
-    return xp.where(scores < threshold, xp.full_like(scores, -xp.inf), scores)
+    return xp.where(scores < threshold, constant(-math.inf, scores, xp=xp), scores)
 
 
 def _top_k(scores: Array, k: int, *, xp: Namespace) -> Array:
@@ -67,7 +68,7 @@ def _top_p(scores: Array, p: float, *, xp: Namespace) -> Array:
     probs = xp.exp(ranked - ranked[:, :1])
     probs = probs / xp.sum(probs, axis=-1, keepdims=True)
     before = xp.cumulative_sum(probs, axis=-1) - probs  # probability of the more likely tokens
-    kept = xp.where(before < p, ranked, xp.full_like(ranked, xp.inf))  # the first token is always kept
+    kept = xp.where(before < p, ranked, constant(math.inf, ranked, xp=xp))  # the first token is always kept
     return _mask_below(scores, xp.min(kept, axis=-1, keepdims=True), xp=xp)
 
 
