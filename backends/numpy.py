@@ -4,6 +4,7 @@ causal conv and in-place state passing."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import array_api_compat.numpy as xp
@@ -11,6 +12,8 @@ import numpy as np
 
 #: Time steps per tile of the native conv: every tap of a tile stays in cache while it is summed.
 CONV_TILE_STEPS = 32
+#: Rows per tile of the native gated RMSNorm.
+NORM_TILE_ROWS = 32
 
 
 def namespace() -> Any:
@@ -43,12 +46,18 @@ def rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def causal_conv1d(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
-                  state: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Tiled version of ``portable_ssm.conv.causal_conv1d_ref``: the same sum of k shifted slices,
-    accumulated in place tile by tile of CONV_TILE_STEPS steps, so a tile's taps are read from
-    cache rather than memory (about 2x on a 1024-step block of a 130m layer).
-    ``x [b, l, d]``, weight ``[d, k]``, state ``[b, d, k]`` or None -> ``(y [b, l, d], state [b, d, k])``."""
+def _silu_(v: np.ndarray, scratch: np.ndarray, source: np.ndarray | None = None) -> None:
+    """SiLU of ``source`` (default: v itself) into v, as ``portable_ssm._array.silu``:
+    ``h + h·tanh(h)`` with ``h = source/2``."""
+    np.multiply(v if source is None else source, 0.5, out=v)
+    np.tanh(v, out=scratch)
+    scratch *= v
+    v += scratch
+
+
+def _conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, state: np.ndarray | None,
+          activate: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The tiled conv, then SiLU on each tile while it is still in cache when ``activate``."""
     b, l, d = x.shape
     k = weight.shape[-1]
     dtype = np.result_type(x, weight, *(() if bias is None else (bias,)))
@@ -56,20 +65,73 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
         history = np.zeros((b, k - 1, d), dtype=x.dtype)
     else:
         history = np.swapaxes(state[:, :, 1:], 1, 2).astype(x.dtype, copy=False)  # [b, k-1, d]
-    padded = np.concatenate([history, x], axis=1)  # [b, k-1+l, d]
     taps = np.ascontiguousarray(weight.T)  # [k, d]
     y = np.empty((b, l, d), dtype=dtype)
     scratch = np.empty((b, min(CONV_TILE_STEPS, l), d), dtype=dtype)
     for start in range(0, l, CONV_TILE_STEPS):
         stop = min(start + CONV_TILE_STEPS, l)
+        # the inputs k-1 steps before the tile through its end, [b, k-1+stop-start, d]: read in place,
+        # but the first k-1 steps of the sequence need the history in front of them
+        window = (x[:, start - (k - 1):stop] if start >= k - 1 else
+                  np.concatenate([history[:, start:], x[:, :stop]], axis=1))
         out, term = y[:, start:stop], scratch[:, :stop - start]
-        np.multiply(padded[:, start:stop], taps[0], out=out)
+        np.multiply(window[:, :stop - start], taps[0], out=out)
         for j in range(1, k):
-            np.multiply(padded[:, start + j:stop + j], taps[j], out=term)
+            np.multiply(window[:, j:j + stop - start], taps[j], out=term)
             out += term
         if bias is not None:
             out += bias
-    return y, np.swapaxes(padded[:, l - 1:], 1, 2)  # last k inputs, [b, d, k]
+        if activate:
+            _silu_(out, term)
+    last = np.concatenate([history, x[:, max(l - k, 0):]], axis=1)[:, -k:]  # the last k inputs, [b, k, d]
+    return y, np.swapaxes(last, 1, 2)  # [b, d, k]
+
+
+def causal_conv1d(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+                  state: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Tiled version of ``portable_ssm.conv.causal_conv1d_ref``: the same sum of k shifted slices,
+    accumulated in place tile by tile of CONV_TILE_STEPS steps, so a tile's taps are read from
+    cache rather than memory (about 2x on a 1024-step block of a 130m layer).
+    ``x [b, l, d]``, weight ``[d, k]``, state ``[b, d, k]`` or None -> ``(y [b, l, d], state [b, d, k])``."""
+    return _conv(x, weight, bias, state, activate=False)
+
+
+def causal_conv1d_silu(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+                       state: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`causal_conv1d` with SiLU applied to each tile in cache, for
+    ``portable_ssm.conv.causal_conv1d_silu`` (saves the four passes of a separate SiLU)."""
+    return _conv(x, weight, bias, state, activate=True)
+
+
+def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, groups: int,
+                   eps: float) -> np.ndarray:
+    """Tiled version of ``portable_ssm.norm.gated_rms_norm_ref``: ``rmsnorm(y · silu(z))`` per group,
+    NORM_TILE_ROWS rows at a time in place, so the gate, the mean square and the scaling of a
+    tile all run in cache (about 1.5x). ``y, z [..., d]``, weight ``[d]`` -> weight's dtype."""
+    *lead, d = y.shape
+    cdtype = np.float64 if weight.dtype == np.float64 else np.float32
+    rows_y = y.reshape(-1, d)  # [rows, d]
+    rows_z = None if z is None else z.reshape(-1, d)  # [rows, d]
+    out = np.empty(rows_y.shape, dtype=cdtype)
+    scratch = np.empty((min(NORM_TILE_ROWS, len(rows_y)), d), dtype=cdtype)
+    scale = np.empty((len(scratch), groups, 1), dtype=cdtype)
+    w = weight.astype(cdtype, copy=False)
+    for start in range(0, len(rows_y), NORM_TILE_ROWS):
+        stop = min(start + NORM_TILE_ROWS, len(rows_y))
+        tile, tmp, s = out[start:stop], scratch[:stop - start], scale[:stop - start]
+        if rows_z is None:
+            tile[...] = rows_y[start:stop]
+        else:
+            _silu_(tile, tmp, rows_z[start:stop])
+            tile *= rows_y[start:stop]
+        grouped = tile.reshape(stop - start, groups, d // groups)  # [t, g, d/g]
+        np.vecdot(grouped, grouped, out=s[..., 0])
+        s /= d // groups
+        s += eps
+        np.sqrt(s, out=s)
+        grouped /= s
+        tile *= w
+    return out.reshape(*lead, d).astype(weight.dtype, copy=False)
 
 
 def pass_states(state: np.ndarray, chunk_decay: np.ndarray, Bt: np.ndarray, X: np.ndarray,
@@ -85,7 +147,7 @@ def pass_states(state: np.ndarray, chunk_decay: np.ndarray, Bt: np.ndarray, X: n
     dtype = np.result_type(state, chunk_decay, Bt, X, C)
     outputs = np.empty((b, c, g, Q, r * p), dtype=dtype)
     final = np.array(state, dtype=dtype, order="C")  # [b, g, n, r, p], updated in place
-    flat = final.reshape(b, g, n, r * p)  # a view of it
+    flat = _view(final, (b, g, n, r * p))
     added = np.empty((b, g, n, r * p), dtype=dtype)
     for i in range(c):
         np.matmul(C[:, i], flat, out=outputs[:, i])  # the state entering chunk i, read by its C
@@ -95,4 +157,91 @@ def pass_states(state: np.ndarray, chunk_decay: np.ndarray, Bt: np.ndarray, X: n
     return outputs, final
 
 
-FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "pass_states": pass_states}
+def _view(v: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``v`` reshaped without a copy (ValueError if it would need one): a target of in-place updates."""
+    return np.reshape(v, shape, copy=False)
+
+
+def _flushed_exp(exponent: np.ndarray, floor: float) -> np.ndarray:
+    """``exp`` of a small array of sums ``<= 0``, 0 below ``floor`` (``portable_ssm.ssd.decay``)."""
+    return np.exp(np.where(exponent >= floor, exponent, -np.inf))
+
+
+def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray,
+                chunk_size: int | None, initial_states: np.ndarray | None,
+                seq_idx: np.ndarray | None = None, D: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``portable_ssm.ssd.ssd_chunked_ref`` as one loop over chunks whose intermediates (a chunk's
+    ``[b, h, Q, Q]`` decays, its outputs, the state) stay in cache in reused buffers, with y written
+    in place into one output array: no segment concatenation, no padding (the last chunk is just
+    shorter), Δ folded into the decays instead of a scaled copy of x, and a per-head skip D added to
+    the diagonal of the decays (a ``[h, p]`` one is added per chunk). Packed rows (``seq_idx``)
+    take the reference.
+
+    One difference from the reference, far below rounding: inside a chunk, decay factors below
+    ``exp(floor)`` (``floor`` as in ``portable_ssm.ssd.decay``, about 1e-19 in float32) are held at
+    that value instead of flushed to 0 (a clamp costs one pass, a masked flush three), which keeps
+    subnormals out of the matmuls just the same. Shapes as the reference: ``x [b, l, h, p]``, Δ
+    ``[b, l, h]``, A ``[h]``, B, C ``[b, l, g, n]``, initial_states ``[b, h, p, n]`` or None ->
+    ``(y [b, l, h, p], final_states [b, h, p, n])``."""
+    from portable_ssm import ssd
+
+    if seq_idx is not None:
+        return ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
+                                   xp=xp, seq_idx=seq_idx, D=D)
+    b, l, h, p = x.shape
+    g, n = B.shape[-2:]
+    r = h // g
+    Q = ssd.choose_chunk_size(l) if chunk_size is None else chunk_size
+    dtype = np.result_type(x, dt, A, B, C, *(() if D is None else (D,)))
+    floor = dtype.type(np.log(np.finfo(dtype).smallest_normal) / 2)
+    if initial_states is None:
+        state = np.zeros((b, g, n, r, p), dtype=dtype)
+    else:  # [b, h, p, n] -> [b, g, n, r, p], n-major like the reference; a copy, updated in place
+        state = np.array(initial_states.reshape(b, g, r, p, n).transpose(0, 1, 4, 2, 3), dtype=dtype, order="C")
+    flat = _view(state, (b, g, n, r * p))
+    above = np.triu(np.full((Q, Q), -np.inf, dtype=dtype), 1)  # -inf where j > i, else 0
+    y = np.empty((b, l, h, p), dtype=dtype)
+    a = (dt * A).transpose(0, 2, 1)  # A·Δ <= 0, [b, h, l]
+    step = np.ascontiguousarray(dt.transpose(0, 2, 1))  # Δ [b, h, l]
+    # one flat buffer per intermediate, viewed as a contiguous array of each chunk's shape
+    buffers = [np.empty(size, dtype=dtype) for size in (b * h * Q * Q, b * h * Q * p, b * Q * h * p)]
+    for t0 in range(0, l, Q):
+        t1 = min(t0 + Q, l)
+        q = t1 - t0
+        acs = np.cumsum(a[..., t0:t1], axis=-1)  # [b, h, q]
+        Bt = np.swapaxes(B[:, t0:t1], 1, 2).swapaxes(-1, -2)  # [b, g, n, q]
+        Cc = np.swapaxes(C[:, t0:t1], 1, 2)  # [b, g, q, n]
+        # 1. diagonal block, written into y: ((C Bᵀ) ⊙ exp(segsum) · Δ_j) x
+        M, xh, Y_off = (v[:math.prod(s)].reshape(s) for v, s in zip(buffers, ((b, h, q, q), (b, h, q, p),
+                                                                          (b, g, q, r * p))))
+        np.copyto(M, acs[..., :, None])
+        M -= acs[..., None, :]  # segsum, [b, h, q, q]
+        np.maximum(M, floor, out=M)
+        M += above[:q, :q]
+        np.exp(M, out=M)
+        M *= step[:, :, None, t0:t1]
+        _view(M, (b, g, r, q, q))[...] *= np.matmul(Cc, Bt)[:, :, None]  # C Bᵀ once per group, [b, g, 1, q, q]
+        if D is not None and D.ndim == 1:  # y_t += D·x_t through M's diagonal
+            _view(M, (b, h, q * q))[..., ::q + 1] += D[:, None]
+        xc = x[:, t0:t1]  # [b, q, h, p]
+        np.copyto(xh, xc.transpose(0, 2, 1, 3))  # [b, h, q, p]
+        out = y[:, t0:t1]  # [b, q, h, p]
+        np.matmul(M, xh, out=out.transpose(0, 2, 1, 3))
+        # 2.-4. the entering state read by C and decayed to each step; then the chunk's own state added
+        np.matmul(Cc, flat, out=Y_off)  # [b, g, q, r·p]
+        _view(Y_off, (b, g, q, r, p))[...] *= _flushed_exp(acs, floor).reshape(b, g, r, q, 1).transpose(0, 1, 3, 2, 4)
+        _view(out, (b, q, g, r * p))[...] += np.swapaxes(Y_off, 1, 2)
+        if D is not None and D.ndim == 2:
+            out += xc * D
+        weight = _flushed_exp(acs[..., -1:] - acs, floor) * step[..., t0:t1]  # Δ decayed to the chunk's end, [b, h, q]
+        Xd = _view(xh, (b, q, h, p))  # xh's buffer, free again
+        np.multiply(xc, weight.transpose(0, 2, 1)[..., None], out=Xd)
+        state *= _flushed_exp(acs[..., -1], floor).reshape(b, g, 1, r, 1)
+        flat += np.matmul(Bt, Xd.reshape(b, q, g, r * p).transpose(0, 2, 1, 3))  # [b, g, n, r·p]
+    final = np.ascontiguousarray(state.transpose(0, 1, 3, 4, 2)).reshape(b, h, p, n)  # [b, g, r, p, n] -> [b, h, p, n]
+    return y, final
+
+
+FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "causal_conv1d_silu": causal_conv1d_silu,
+                            "gated_rms_norm": gated_rms_norm, "pass_states": pass_states,
+                            "ssd_chunked": ssd_chunked}

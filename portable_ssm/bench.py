@@ -33,7 +33,7 @@ from .bench_report import Case, Row, proc_kib, write_results
 from .config import Mamba2Config
 
 PARTS = ("forward", "train", "decode", "scaling")
-BACKENDS = ("numpy", "torch", "jax", "transformers")
+BACKENDS = ("numpy", "numpy-ref", "torch", "jax", "transformers")
 SEED = Mamba2Config(d_model=256, n_layer=2, expand=4, d_state=16, headdim=64)
 LAYER_130M = Mamba2Config(d_model=768, n_layer=1, d_state=128, headdim=64, expand=2)
 LM_130M = replace(LAYER_130M, n_layer=24, vocab_size=50280)
@@ -137,7 +137,10 @@ def _inputs(case: Case) -> Any:
 
 
 def _applies(case: Case, backend: str) -> bool:
-    """jax has no decode row; training runs on torch (portable_ssm) and transformers only."""
+    """numpy-ref (numpy without its fast paths) runs forward rows only, jax has no decode row;
+    training runs on torch (portable_ssm) and transformers only."""
+    if backend == "numpy-ref":
+        return case.part == "forward"
     if case.part == "decode":
         return backend != "jax"
     return case.part == "forward" or backend in ("torch", "transformers")
@@ -210,17 +213,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall time, or this process's CPU time (steadier on a shared machine; "
                              "meaningful with --threads 1 only)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="folder for the results")
+    parser.add_argument("--append", action="store_true",
+                        help="add this run as a section at the end of the folder's RESULTS.md (no plot), "
+                             "e.g. a --threads 2 run after the main one")
     args = parser.parse_args(argv)
     parts = tuple(p.strip() for p in args.only.split(",") if p.strip())
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     for bad in [p for p in parts if p not in PARTS] + [b for b in wanted if b not in BACKENDS]:
         parser.error(f"unknown part or backend {bad!r}: parts {PARTS}, backends {BACKENDS}")
-    notes = _set_threads(args.threads)
+    notes = [f"command: portable-ssm bench {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()]
+    notes += _set_threads(args.threads)
     import importlib.util
 
     from tqdm import tqdm
 
-    backends = [b for b in wanted if importlib.util.find_spec(b) is not None]
+    backends = [b for b in wanted if importlib.util.find_spec(b.split("-")[0]) is not None]
     if "torch" not in backends:
         backends = [b for b in backends if b != "transformers"]
     notes += [f"skipped (not installed): {b}" for b in wanted if b not in backends]
@@ -241,5 +248,5 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_group(group, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N,
                           sample_s=0.05 if args.quick else 1.0)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    print(f"wrote {write_results(rows, args.out, notes)}")
+    print(f"wrote {write_results(rows, args.out, notes, append=args.append)}")
     return 0

@@ -1,9 +1,9 @@
 """What the benchmarks time (tooling, not core): one call per backend on identical weights.
 
-:func:`forward_fn` builds a no-argument forward (or forward + backward) on numpy, torch, jax or
-transformers' pure-torch ``Mamba2Model``; :func:`decode` times greedy decode steps;
-:func:`sgemm_call` is the matrix multiply the machine's rate is measured with. Frameworks are
-imported inside functions only.
+:func:`forward_fn` builds a no-argument forward (or forward + backward) on numpy (with or without
+its native fast paths), torch, jax or transformers' pure-torch ``Mamba2Model``; :func:`decode`
+times greedy decode steps; :func:`sgemm_call` is the matrix multiply the machine's rate is
+measured with. Frameworks are imported inside functions only.
 """
 
 from __future__ import annotations
@@ -51,13 +51,32 @@ def transformers_model(config: Mamba2Config, params: dict[str, Any], *, lm: bool
     return model.eval()
 
 
+def without_fast_ops(fn: Callable[[], Any], backend: str) -> Callable[[], Any]:
+    """``fn`` run with ``backend``'s native fast paths switched off: the array-API core alone."""
+    from .backends import load
+
+    ops = load(backend).FAST_OPS
+
+    def call() -> Any:
+        saved = dict(ops)
+        ops.clear()
+        try:
+            return fn()
+        finally:
+            ops.update(saved)
+    return call
+
+
 def forward_fn(backend: str, config: Mamba2Config, params: dict[str, Any], x: Any,
-                train: bool) -> Callable[[], Any]:
-    """A no-argument call running one forward (``train``: forward + backward) on ``backend``."""
+               train: bool) -> Callable[[], Any]:
+    """A no-argument call running one forward (``train``: forward + backward) on ``backend``;
+    ``"numpy-ref"`` is numpy without its native fast paths."""
     from .model import forward
 
     if backend == "numpy":
         return lambda: forward(x, params, config=config)
+    if backend == "numpy-ref":
+        return without_fast_ops(lambda: forward(x, params, config=config), "numpy")
     if backend == "jax":
         import jax
 

@@ -156,7 +156,7 @@ def scaling_curves(rows: list[Row]) -> dict[str, list[tuple[int, float]]]:
     return curves
 
 
-def _scaling_table(curves: dict[str, list[tuple[int, float]]]) -> list[str]:
+def _scaling_table(curves: dict[str, list[tuple[int, float]]], plot: bool) -> list[str]:
     lengths = sorted({n for pts in curves.values() for n, _ in pts})
     lines = ["## Time vs length (forward, one 130m layer, b=1)", "",
              "| backend | " + " | ".join(f"l={n}" for n in lengths) + " | t(l_max)/t(l_min) |",
@@ -166,7 +166,7 @@ def _scaling_table(curves: dict[str, list[tuple[int, float]]]) -> list[str]:
         lines.append(f"| {backend} | " + " | ".join(f"{times[n] * 1e3:.0f} ms" if n in times else "-"
                                                    for n in lengths) +
                      f" | {pts[-1][1] / pts[0][1]:.1f} for {pts[-1][0] // pts[0][0]}x tokens |")
-    return lines + ["", "![time vs length](scaling.png)", ""]
+    return lines + (["", "![time vs length](scaling.png)", ""] if plot else [""])
 
 
 def plot_scaling(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
@@ -210,12 +210,19 @@ def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]]) -> lis
     return ["## Targets", ""] + [f"- {line}" for line in lines] + [""] if lines else []
 
 
-def write_results(rows: list[Row], out: Path, notes: list[str]) -> Path:
-    """Writes ``RESULTS.md`` (and ``scaling.png`` when there are length rows) into ``out``."""
+def write_results(rows: list[Row], out: Path, notes: list[str], *, append: bool = False) -> Path:
+    """Writes ``RESULTS.md`` (and ``scaling.png`` when there are length rows) into ``out``; with
+    ``append``, adds the run as one section at the end of the existing RESULTS.md instead (its
+    headings one level down, no plot)."""
     out.mkdir(parents=True, exist_ok=True)
+    path = out / "RESULTS.md"
+    if append and not path.exists():
+        raise FileNotFoundError(f"--append: there is no {path} to add to; run once without --append")
     curves = scaling_curves(rows)
     date = datetime.datetime.now().isoformat(timespec="seconds")
     text = ["# portable_ssm benchmarks", "", f"Date: {date}", ""]
+    if append:
+        text = ["", f"# Appended run ({date})", ""]
     text += [f"- {line}" for line in _machine() + notes]
     rates = sorted({r.sgemm for r in rows if r.sgemm is not None})
     if rates:
@@ -223,8 +230,12 @@ def write_results(rows: list[Row], out: Path, notes: list[str]) -> Path:
                     f"{rates[-1]:.1f} GFLOP/s, median {statistics.median(rates):.1f}")
     text += ["", FLOP_NOTE, ""] + _targets(rows, curves) + _tables(rows)
     if curves:
-        text += _scaling_table(curves)
+        text += _scaling_table(curves, plot=not append)
+    if append:
+        text = [f"#{line}" if line.startswith("#") else line for line in text]
+        path.write_text(path.read_text().rstrip("\n") + "\n" + "\n".join(text))
+        return path
+    if curves:
         plot_scaling(curves, out / "scaling.png")
-    path = out / "RESULTS.md"
     path.write_text("\n".join(text))
     return path

@@ -8,7 +8,7 @@ convolved alone; the incoming state belongs to each row's first sequence.
 
 from __future__ import annotations
 
-from ._array import Array, Namespace, device
+from ._array import Array, Namespace, device, silu
 from .backends import fast_op
 from .ssm_inputs import within
 
@@ -26,6 +26,18 @@ def causal_conv1d(x: Array, weight: Array, bias: Array | None, state: Array | No
     if native is not None:
         return native(x, weight, bias, state)
     return causal_conv1d_ref(x, weight, bias, state, xp=xp, seq_idx=seq_idx)
+
+
+def causal_conv1d_silu(x: Array, weight: Array, bias: Array | None, state: Array | None, *,
+                       xp: Namespace, seq_idx: Array | None = None) -> tuple[Array, Array]:
+    """:func:`causal_conv1d` followed by SiLU (the mixer's conv phase, mamba_ssm's
+    ``activation="silu"``): ``(silu(y) [b, l, d], new_state [b, d, k])``. A backend may fuse the two
+    (``fast_op(xp, "causal_conv1d_silu")``, used without ``seq_idx``)."""
+    native = fast_op(xp, "causal_conv1d_silu") if seq_idx is None else None
+    if native is not None:
+        return native(x, weight, bias, state)
+    y, new_state = causal_conv1d(x, weight, bias, state, xp=xp, seq_idx=seq_idx)
+    return silu(y, xp=xp), new_state
 
 
 def causal_conv1d_ref(x: Array, weight: Array, bias: Array | None, state: Array | None, *,

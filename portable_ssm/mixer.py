@@ -13,7 +13,7 @@ from typing import Any
 from ._array import Array, Namespace, compute_dtype, silu
 from .backends import fast_op
 from .config import Mamba2Config
-from .conv import causal_conv1d, conv_step
+from .conv import causal_conv1d_silu, conv_step
 from .discretize import delta
 from .norm import gated_rms_norm
 from .recurrence import recurrence_step
@@ -72,16 +72,16 @@ def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | No
     b, l, _ = u.shape
     z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
-    xBC, conv_state = causal_conv1d(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp, seq_idx=seq_idx)
-    x, B, C = _split_xbc(silu(xBC, xp=xp), c, xp=xp)
+    xBC, conv_state = causal_conv1d_silu(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp, seq_idx=seq_idx)
+    x, B, C = _split_xbc(xBC, c, xp=xp)
 
     cdtype = compute_dtype(xp, u.dtype)
     A, D = _ssm_params(p, c, cdtype, xp=xp)
     step = delta(dt, p["dt_bias"], True, c.dt_limit, xp=xp)  # Δ [b, l, h]
     x, B, C = (xp.astype(v, cdtype, copy=False) for v in (x, B, C))
     y, ssm_state = ssd_chunked(x, xp.astype(step, cdtype, copy=False), A, B, C, chunk_size=None,
-                               initial_states=ssm_state, seq_idx=seq_idx, xp=xp)
-    y = xp.reshape(skip_and_gate(y, x, D, None, xp=xp), (b, l, c.d_inner))  # [b, l, h, p] -> [b, l, d_inner]
+                               initial_states=ssm_state, seq_idx=seq_idx, D=D, xp=xp)
+    y = xp.reshape(y, (b, l, c.d_inner))  # [b, l, h, p] -> [b, l, d_inner]
     return _output(y, z, p, c, xp=xp), conv_state, ssm_state
 
 

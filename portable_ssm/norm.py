@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._array import Array, Namespace, compute_dtype, silu
+from .backends import fast_op
 
 
 def _mean_square(x: Array, *, xp: Namespace) -> Array:
@@ -11,17 +12,26 @@ def _mean_square(x: Array, *, xp: Namespace) -> Array:
 
 
 def rms_norm(x: Array, weight: Array, eps: float, *, xp: Namespace) -> Array:
-    """``x / sqrt(mean(x², -1) + eps) * weight`` over the last axis; returns weight's dtype."""
-    dtype = x.dtype
-    x = xp.astype(x, compute_dtype(xp, dtype), copy=False)
-    x = x / xp.sqrt(_mean_square(x, xp=xp) + eps)
-    return weight * xp.astype(x, weight.dtype, copy=False)
+    """``x / sqrt(mean(x², -1) + eps) * weight`` over the last axis; returns weight's dtype (the
+    gated norm with one group and no gate, so both share one native path)."""
+    return gated_rms_norm(x, None, weight, 1, eps, xp=xp)
 
 
 def gated_rms_norm(y: Array, z: Array | None, weight: Array, groups: int, eps: float, *, xp: Namespace) -> Array:
     """``rmsnorm(y · silu(z))`` over each of ``groups`` equal slices of the last axis
     (norm_before_gate=False, as mamba_ssm's Mamba2). ``y, z [..., d]``, weight ``[d]``; ``z=None``
-    when y arrives already gated (a fused decode kernel)."""
+    when y arrives already gated (a fused decode kernel). A backend may provide a native version
+    (``fast_op(xp, "gated_rms_norm")``, e.g. NumPy's tiled one); :func:`gated_rms_norm_ref` is the
+    reference it is tested against."""
+    native = fast_op(xp, "gated_rms_norm")
+    if native is not None:
+        return native(y, z, weight, groups, eps)
+    return gated_rms_norm_ref(y, z, weight, groups, eps, xp=xp)
+
+
+def gated_rms_norm_ref(y: Array, z: Array | None, weight: Array, groups: int, eps: float, *,
+                       xp: Namespace) -> Array:
+    """The standard-functions gated norm: gate, mean square per group, scale, weight."""
     cdtype = compute_dtype(xp, weight.dtype)
     v = xp.astype(y, cdtype, copy=False)  # [..., d]
     if z is not None:

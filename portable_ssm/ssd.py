@@ -83,22 +83,31 @@ def ssd_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: i
                           step=False, seq_idx=seq_idx)
     xp = s.xp
     y, final = ssd_chunked(s.x, s.dt, s.A, s.B, s.C, chunk_size=chunk_size, initial_states=s.states,
-                           seq_idx=s.seq_idx, xp=xp)
-    y = xp.astype(skip_and_gate(y, s.x, s.D, s.z, xp=xp), s.out_dtype, copy=False)
+                           seq_idx=s.seq_idx, D=s.D, xp=xp)
+    y = xp.astype(skip_and_gate(y, s.x, None, s.z, xp=xp), s.out_dtype, copy=False)
     return (y, final) if return_final_states else y
 
 
 def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: int | None,
-                initial_states: Array | None, xp: Namespace,
-                seq_idx: Array | None = None) -> tuple[Array, Array]:
-    """The scan without D/z on validated compute-dtype inputs (``dt`` is Δ): ``(y, final_states)``.
+                initial_states: Array | None, xp: Namespace, seq_idx: Array | None = None,
+                D: Array | None = None) -> tuple[Array, Array]:
+    """The scan on validated compute-dtype inputs (``dt`` is Δ), with the skip ``y + D·x`` when
+    ``D`` (``[h]`` or ``[h, p]``) is given but no gate: ``(y, final_states)``.
 
     ``seq_idx [b, l]``: ids where equal means one contiguous sequence (run ids), or None.
-    A backend may provide a native version (``fast_op(xp, "ssd_chunked")``, e.g. the CuPy kernels);
-    this one is the reference it is tested against."""
+    A backend may provide a native version (``fast_op(xp, "ssd_chunked")``, e.g. the CuPy kernels
+    or NumPy's in-cache chunk loop); :func:`ssd_chunked_ref` is the reference both are tested against."""
     native = fast_op(xp, "ssd_chunked")
     if native is not None:
-        return native(x, dt, A, B, C, chunk_size, initial_states, seq_idx=seq_idx)
+        return native(x, dt, A, B, C, chunk_size, initial_states, seq_idx=seq_idx, D=D)
+    return ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states, xp=xp,
+                           seq_idx=seq_idx, D=D)
+
+
+def ssd_chunked_ref(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: int | None,
+                    initial_states: Array | None, xp: Namespace, seq_idx: Array | None = None,
+                    D: Array | None = None) -> tuple[Array, Array]:
+    """The standard-functions scan, segment by segment (:func:`ssd_chunked`'s arguments)."""
     b, l, h, p = x.shape
     g, n = B.shape[-2:]
     r = h // g
@@ -122,7 +131,7 @@ def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size
     if not outputs:  # l == 0: nothing to scan, the state passes through
         return xp.zeros((b, 0, h, p), dtype=x.dtype, device=device(x)), final
     y = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=1)  # [b, l, h, p]
-    return y, final
+    return skip_and_gate(y, x, D, None, xp=xp), final
 
 
 def pass_states(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Array, *,

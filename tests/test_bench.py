@@ -22,6 +22,25 @@ def test_quick_numpy_run_writes_a_markdown_table_and_a_png(tmp_path):
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
 
 
+def test_append_adds_a_run_as_a_section_below_the_first(tmp_path):
+    pytest.importorskip("tqdm")
+    pytest.importorskip("matplotlib")
+    quick = ["--quick", "--only", "forward", "--max-len", "64", "--repeats", "2", "--out", str(tmp_path)]
+    with pytest.raises(FileNotFoundError, match="run once without --append"):
+        bench.main([*quick, "--backends", "numpy", "--append"])
+    assert bench.main([*quick, "--backends", "numpy"]) == 0
+    first = (tmp_path / "RESULTS.md").read_text()
+    png = (tmp_path / "scaling.png").read_bytes()
+    assert bench.main([*quick, "--backends", "numpy,numpy-ref", "--append"]) == 0
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert text.startswith(first.rstrip("\n")) and (tmp_path / "scaling.png").read_bytes() == png
+    appended = text[len(first.rstrip("\n")):]
+    assert "\n## Appended run (" in appended and "\n### Forward (inference)" in appended
+    assert "command: portable-ssm bench --quick" in appended and "--append" in appended
+    assert "| 130m-layer | 1 | 64 | numpy-ref |" in appended and "numpy-ref" not in first
+    assert "scaling.png" not in appended
+
+
 def test_backends_are_timed_side_by_side_in_rounds():
     calls = []
     fns = {name: (lambda name=name: calls.append(name) or name) for name in ("numpy", "torch", "sgemm")}

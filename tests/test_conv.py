@@ -90,3 +90,36 @@ def test_numpy_tiled_conv_agrees_with_the_reference(with_state, dtype, l):
     assert y_native.dtype == y_ref.dtype and y_native.shape == y_ref.shape == (2, l, 7)
     np.testing.assert_allclose(y_native, y_ref, rtol=1e-6 if dtype == "float32" else 1e-14, atol=1e-6)
     np.testing.assert_array_equal(s_native, s_ref)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("l,k", [(1, 4), (2, 4), (33, 4), (75, 4), (40, 9)])
+def test_numpy_fused_conv_silu_agrees_with_the_conv_then_silu(with_state, dtype, l, k):
+    import array_api_compat.numpy as nxp
+    from portable_ssm.backends import fast_op
+
+    from portable_ssm._array import silu
+
+    native = fast_op(nxp, "causal_conv1d_silu")
+    assert native is not None
+    x, w, bias = (v.astype(dtype) for v in data(l, d=7, k=k, seed=7))
+    state = np.random.default_rng(2).standard_normal((2, 7, k)).astype(dtype) if with_state else None
+    x_before = x.copy()
+    y_native, s_native = native(x, w, bias, state)
+    y_ref, s_ref = causal_conv1d_ref(x, w, bias, state, xp=nxp)
+    assert y_native.dtype == y_ref.dtype and y_native.shape == (2, l, 7)
+    np.testing.assert_allclose(y_native, silu(y_ref, xp=nxp), rtol=1e-6 if dtype == "float32" else 1e-14, atol=1e-6)
+    np.testing.assert_array_equal(s_native, s_ref)
+    np.testing.assert_array_equal(x, x_before)
+
+
+def test_conv_silu_equals_conv_then_silu_on_every_backend(xp):
+    from portable_ssm._array import silu
+    from portable_ssm.conv import causal_conv1d_silu
+
+    x, w, bias = (xp.asarray_from(v, "float64") for v in data(12, d=5, k=4, seed=4))
+    y, state = causal_conv1d_silu(x, w, bias, None, xp=xp.namespace)
+    y_ref, state_ref = causal_conv1d_ref(x, w, bias, None, xp=xp.namespace)
+    assert_close(xp, y, xp.numpy(silu(y_ref, xp=xp.namespace)), rtol=1e-6)
+    assert_close(xp, state, xp.numpy(state_ref), rtol=0)

@@ -294,6 +294,17 @@ def test_ssd_kernels_equal_the_chunked_reference(rt: Runtime, dtype: str, chunk_
     _assert_close(rt, final, final_ref, dtype, like=args["x"])
 
 
+@pytest.mark.parametrize("D_shape", [(6,), (6, 5)])
+def test_ssd_kernels_add_the_D_skip(rt: Runtime, rng: np.random.Generator, D_shape: tuple[int, ...]) -> None:
+    args = _scan_args(rt, rng, "float64", initial=True, packed=True)
+    D = rt.put(rng.standard_normal(D_shape))
+    y, final = rt.kernels.ssd_chunked(args["x"], args["dt"], args["A"], args["B"], args["C"], 7,
+                                      args["initial_states"], seq_idx=args["seq_idx"], D=D)
+    y_ref, final_ref = reference.ssd_chunked_ref(**args, chunk_size=7, D=D, xp=rt.xp)
+    _assert_close(rt, y, y_ref, "float64", like=args["x"])
+    _assert_close(rt, final, final_ref, "float64", like=args["x"])
+
+
 def test_ssd_kernels_carry_the_state_across_segments(rt: Runtime, rng: np.random.Generator,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """With 14-step segments (two chunks of 7) a 45-step packed scan runs in four segments and

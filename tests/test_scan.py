@@ -91,10 +91,13 @@ def test_ssd_scan_without_optional_arguments_returns_y_only(xp):
 
 
 def test_long_segments_carry_the_state_across_segment_boundaries(monkeypatch):
+    from portable_ssm.backends import numpy as numpy_backend
+
     import portable_ssm.ssd as ssd
 
     host = scan_inputs(11, 1, 200, 2, 2, 1, 3)
     y_ref, s_ref = oracle(host)
+    monkeypatch.delitem(numpy_backend.FAST_OPS, "ssd_chunked")  # the reference, which runs in segments
     monkeypatch.setattr(ssd, "SEGMENT_TOKENS", 48)  # 200 steps in 5 segments of 3 chunks of 16
     y, s = ps.ssd_scan(**host, chunk_size=16, dt_softplus=True, return_final_states=True)
     assert np.abs(y - y_ref).max() <= 1e-10 * np.abs(y_ref).max()
@@ -118,24 +121,42 @@ def test_decay_flushes_factors_below_the_floor_to_zero_never_subnormal(xp, dtype
     assert out[5] == 0.0  # masked: 0 even where exp would give 1
 
 
-def test_strongly_decaying_scan_has_no_subnormal_operands_and_matches_the_recurrence():
+class _MatmulSpy:
+    """Stands in for the numpy module inside the NumPy backend, recording every matmul operand."""
+
+    def __init__(self, seen: list) -> None:
+        self.seen = seen
+
+    def __getattr__(self, name: str):
+        return getattr(np, name)
+
+    def matmul(self, a, b, **kwargs):
+        self.seen.extend(np.array(v) for v in (a, b))
+        return np.matmul(a, b, **kwargs)
+
+
+@pytest.mark.parametrize("path", ["reference", "numpy native"])
+def test_strongly_decaying_scan_has_no_subnormal_operands_and_matches_the_recurrence(path, monkeypatch):
+    from portable_ssm.backends import numpy as numpy_backend
+
     import portable_ssm.ssd as ssd
 
     host = scan_inputs(17, 1, 256, 4, 8, 1, 16)
     host["A"] = -np.full(4, 30.0)  # A·Δ of -10 to -60 per step: most decays within a chunk underflow float32
     f32 = {k: None if v is None else v.astype(np.float32) for k, v in host.items()}
-    seen = []
-    matmul = ssd._matmul
+    seen: list = []
+    if path == "reference":
+        monkeypatch.delitem(numpy_backend.FAST_OPS, "ssd_chunked")
+        matmul = ssd._matmul
 
-    def spy(a, b, *, xp):
-        seen.extend(np.asarray(v) for v in (a, b))
-        return matmul(a, b, xp=xp)
+        def spy(a, b, *, xp):
+            seen.extend(np.asarray(v) for v in (a, b))
+            return matmul(a, b, xp=xp)
 
-    ssd._matmul = spy
-    try:
-        y = ps.ssd_scan(**f32, dt_softplus=True, chunk_size=64)
-    finally:
-        ssd._matmul = matmul
+        monkeypatch.setattr(ssd, "_matmul", spy)
+    else:
+        monkeypatch.setattr(numpy_backend, "np", _MatmulSpy(seen))
+    y = ps.ssd_scan(**f32, dt_softplus=True, chunk_size=64)
     tiny = np.finfo(np.float32).smallest_normal
     assert seen and not any(np.any((v != 0) & (np.abs(v) < tiny)) for v in seen)
     y_ref, _ = oracle({k: None if v is None else v.astype(np.float64) for k, v in f32.items()})
@@ -201,3 +222,52 @@ def test_native_state_passing_agrees_with_the_loop(backend):
     np.testing.assert_allclose(np.asarray(outputs), np.asarray(outputs_ref), rtol=1e-12)
     np.testing.assert_allclose(np.asarray(final), np.asarray(final_ref), rtol=1e-12)
     np.testing.assert_array_equal(np.asarray(state), before)  # the caller's state is left alone
+
+
+@pytest.mark.parametrize(("l", "Q", "g", "D", "initial"),
+                         [(1, None, 1, None, False), (45, 7, 3, "h", True), (64, None, 1, "hp", True),
+                          (130, 64, 2, "h", False), (300, None, 1, "h", True), (5, 16, 1, "hp", False)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_numpy_native_scan_agrees_with_the_reference(l, Q, g, D, initial, dtype):
+    import array_api_compat.numpy as nxp
+    from portable_ssm.backends import fast_op
+
+    from portable_ssm.ssd import ssd_chunked_ref
+
+    native = fast_op(nxp, "ssd_chunked")
+    assert native is not None
+    h, p, n = 2 * g, 3, 5
+    host = scan_inputs(l + g, 2, l, h, p, g, n, with_state=initial)
+    args = {k: None if host[k] is None else host[k].astype(dtype) for k in ("x", "B", "C", "A", "initial_states")}
+    args["dt"] = np.exp(host["dt"] - 1.0).astype(dtype)  # Δ > 0
+    args["D"] = {None: None, "h": host["D"], "hp": np.outer(host["D"], np.arange(1.0, p + 1))}[D]
+    args["D"] = None if args["D"] is None else args["D"].astype(dtype)
+    before = {k: None if v is None else v.copy() for k, v in args.items()}
+    y, final = native(args["x"], args["dt"], args["A"], args["B"], args["C"], Q, args["initial_states"], D=args["D"])
+    y_ref, final_ref = ssd_chunked_ref(**args, chunk_size=Q, xp=nxp)
+    assert y.dtype == y_ref.dtype == np.dtype(dtype) and y.shape == (2, l, h, p) and final.shape == (2, h, p, n)
+    assert rel_err(y, y_ref) < (1e-5 if dtype == "float32" else 1e-12)
+    assert rel_err(final, final_ref) < (1e-5 if dtype == "float32" else 1e-12)
+    assert final.flags.c_contiguous
+    for k, v in before.items():  # the inputs (the initial state included) are left alone
+        np.testing.assert_array_equal(args[k], v)
+
+
+def test_numpy_native_scan_hands_packed_rows_to_the_reference(monkeypatch):
+    import array_api_compat.numpy as nxp
+    from portable_ssm.backends import numpy as numpy_backend
+
+    import portable_ssm.ssd as ssd
+
+    host = scan_inputs(3, 2, 20, 2, 3, 1, 4)
+    args = {k: host[k] for k in ("x", "A", "B", "C", "initial_states")} | {"dt": np.exp(host["dt"] - 1.0)}
+    seq_idx = np.repeat(np.array([[0, 1], [0, 0]]), 10, axis=1)  # [2, 20]: the first row holds two sequences
+    calls = []
+    reference = ssd.ssd_chunked_ref
+    monkeypatch.setattr(ssd, "ssd_chunked_ref", lambda *a, **kw: calls.append(kw["seq_idx"]) or reference(*a, **kw))
+    y, final = numpy_backend.ssd_chunked(args["x"], args["dt"], args["A"], args["B"], args["C"], None,
+                                         args["initial_states"], seq_idx=seq_idx)
+    y_ref, final_ref = reference(**args, chunk_size=None, xp=nxp, seq_idx=seq_idx)
+    assert len(calls) == 1 and calls[0] is seq_idx
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(final, final_ref)

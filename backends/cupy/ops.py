@@ -145,14 +145,15 @@ class KernelSet:
         return y, new_state
 
     def ssd_chunked(self, x: Array, dt: Array, A: Array, B: Array, C: Array, chunk_size: int | None,
-                    initial_states: Array | None, seq_idx: Array | None = None) -> tuple[Array, Array]:
-        """``portable_ssm.ssd.ssd_chunked`` (no D, no gate) with six kernels and four cuBLAS matmuls
+                    initial_states: Array | None, seq_idx: Array | None = None,
+                    D: Array | None = None) -> tuple[Array, Array]:
+        """``portable_ssm.ssd.ssd_chunked`` (D skip, no gate) with six kernels and four cuBLAS matmuls
         per segment (ssd.cu). Inputs in the compute dtype (all float32 or all float64): ``x [b, l, h, p]``,
         ``dt`` = Δ ``[b, l, h]``, ``A [h]``, ``B, C [b, l, g, n]``, ``initial_states [b, h, p, n]`` or
-        None, ``seq_idx [b, l]`` or None; chunk_size None picks ``choose_chunk_size(l)``.
-        Returns ``(y [b, l, h, p], final_states [b, h, p, n])``.
+        None, ``seq_idx [b, l]`` or None, ``D [h]`` or ``[h, p]`` or None; chunk_size None picks
+        ``choose_chunk_size(l)``. Returns ``(y [b, l, h, p], final_states [b, h, p, n])``.
         """
-        namespace(x=x, dt=dt, A=A, B=B, C=C, initial_states=initial_states, seq_idx=seq_idx)
+        namespace(x=x, dt=dt, A=A, B=B, C=C, initial_states=initial_states, seq_idx=seq_idx, D=D)
         check_positive_int("chunk_size", chunk_size, allow_none=True)
         suffix = _storage("x", x)
         if suffix not in ("f32", "f64"):
@@ -163,7 +164,8 @@ class KernelSet:
             ("x", x, ("b", "l", "h", "p"), None), ("dt", dt, ("b", "l", "h"), "same"),
             ("A", A, ("h",), "same"), ("B", B, ("b", "l", "g", "n"), "same"),
             ("C", C, ("b", "l", "g", "n"), "same"), ("seq_idx", seq_idx, ("b", "l"), "ids"),
-            ("initial_states", initial_states, ("b", "h", "p", "n"), "same")))
+            ("initial_states", initial_states, ("b", "h", "p", "n"), "same"),
+            ("D", D, ("h", "p") if D is not None and D.ndim == 2 else ("h",), "same")))
         b, l, h, p = x.shape
         g = shapes["g"]
         if h % g:
@@ -180,6 +182,8 @@ class KernelSet:
         for t0 in range(0, l, step):
             length = min(step, l - t0)
             state = self._ssd_segment(x, dt, A, B, C, ids, has_seq, t0, length, Q, state, y, suffix)
+        if D is not None:
+            y += x * (D[:, None] if D.ndim == 1 else D)
         return y, state
 
     def _ssd_segment(self, x: Array, dt: Array, A: Array, B: Array, C: Array, ids: Array, has_seq: np.int32,

@@ -1,7 +1,7 @@
 """The array-API twins of the CuPy kernels: what each kernel must equal, on any backend.
 
 ``causal_conv1d`` and ``ssd_chunked`` have theirs in the core (:func:`portable_ssm.conv.causal_conv1d_ref`
-and :func:`portable_ssm.ssd.ssd_chunked`, here ``ssd_chunked_ref``); the fused decode step's twin is
+and :func:`portable_ssm.ssd.ssd_chunked_ref`); the fused decode step's twin is
 written here from the core's pieces, in the order ``portable_ssm.mixer.mixer_step`` runs them.
 Nothing here imports cupy.
 """
@@ -12,7 +12,7 @@ from portable_ssm._array import Array, compute_dtype, namespace, silu
 from portable_ssm.conv import causal_conv1d_ref, conv_step
 from portable_ssm.discretize import delta
 from portable_ssm.recurrence import recurrence_step
-from portable_ssm.ssd import ssd_chunked as ssd_chunked_ref
+from portable_ssm.ssd import ssd_chunked_ref
 from portable_ssm.ssm_inputs import heads_from_groups, skip_and_gate
 
 __all__ = ["causal_conv1d_ref", "decode_step_ref", "ssd_chunked_ref"]

@@ -120,14 +120,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                     chunk_size: int | None, initial_states: torch.Tensor | None,
-                     seq_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``ssd_chunked`` hook on torch: the CuPy kernels for CUDA tensors (differentiable), else the
-    array-API scan. Inputs in the compute dtype; returns ``(y, final_states)`` without D or gate."""
-    if x.is_cuda:
-        return _SsdChunked.apply(x, dt, A, B, C, initial_states, seq_idx, chunk_size)
-    return ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states, xp=_XP,
-                           seq_idx=seq_idx)
+                chunk_size: int | None, initial_states: torch.Tensor | None,
+                seq_idx: torch.Tensor | None = None,
+                D: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``ssd_chunked`` hook on torch: the CuPy kernels for CUDA tensors (differentiable; the D
+    skip is added by torch, so autograd reaches D), else the array-API scan. Inputs in the compute
+    dtype; returns ``(y, final_states)`` with the D skip but without the gate."""
+    if not x.is_cuda:
+        return ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
+                               xp=_XP, seq_idx=seq_idx, D=D)
+    y, final = _SsdChunked.apply(x, dt, A, B, C, initial_states, seq_idx, chunk_size)
+    return (y, final) if D is None else (y + x * (D[:, None] if D.ndim == 1 else D), final)
 
 
 def decode_step(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state: torch.Tensor,
