@@ -46,13 +46,14 @@ def rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def _silu_(v: np.ndarray, scratch: np.ndarray, source: np.ndarray | None = None) -> None:
-    """SiLU of ``source`` (default: v itself) into v, as ``portable_ssm._array.silu``:
+def _silu_(v: np.ndarray, scratch: np.ndarray, source: np.ndarray | None = None) -> np.ndarray:
+    """SiLU of ``source`` (default: v itself) into v, returned, as ``portable_ssm._array.silu``:
     ``h + h·tanh(h)`` with ``h = source/2``."""
     np.multiply(v if source is None else source, 0.5, out=v)
     np.tanh(v, out=scratch)
     scratch *= v
     v += scratch
+    return v
 
 
 def _conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, state: np.ndarray | None,
@@ -119,17 +120,21 @@ def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, grou
     for start in range(0, len(rows_y), NORM_TILE_ROWS):
         stop = min(start + NORM_TILE_ROWS, len(rows_y))
         tile, tmp, s = out[start:stop], scratch[:stop - start], scale[:stop - start]
-        if rows_z is None:
-            tile[...] = rows_y[start:stop]
-        else:
-            _silu_(tile, tmp, rows_z[start:stop])
-            tile *= rows_y[start:stop]
-        grouped = tile.reshape(stop - start, groups, d // groups)  # [t, g, d/g]
-        np.vecdot(grouped, grouped, out=s[..., 0])
+        if rows_z is not None:
+            v = _silu_(tile, tmp, rows_z[start:stop])
+            v *= rows_y[start:stop]
+        elif rows_y.dtype == cdtype:
+            v = rows_y[start:stop]  # read in place
+        else:  # norms are taken in the compute dtype
+            v = tile
+            v[...] = rows_y[start:stop]
+        v = v.reshape(stop - start, groups, d // groups)  # [t, g, d/g]
+        np.vecdot(v, v, out=s[..., 0])
         s /= d // groups
         s += eps
         np.sqrt(s, out=s)
-        grouped /= s
+        np.reciprocal(s, out=s)
+        np.multiply(v, s, out=_view(tile, v.shape))
         tile *= w
     return out.reshape(*lead, d).astype(weight.dtype, copy=False)
 
