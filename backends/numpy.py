@@ -14,6 +14,8 @@ import numpy as np
 CONV_TILE_STEPS = 32
 #: Rows per tile of the native gated RMSNorm.
 NORM_TILE_ROWS = 32
+#: Heads per pass of the native scan: a block's state and a chunk's decays stay in L2.
+SCAN_HEAD_BLOCK = 12
 
 
 def namespace() -> Any:
@@ -46,22 +48,28 @@ def rng(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def _silu_(v: np.ndarray, scratch: np.ndarray, source: np.ndarray | None = None) -> np.ndarray:
-    """SiLU of ``source`` (default: v itself) into v, returned, as ``portable_ssm._array.silu``:
-    ``h + h·tanh(h)`` with ``h = source/2``."""
-    np.multiply(v if source is None else source, 0.5, out=v)
-    np.tanh(v, out=scratch)
-    scratch *= v
-    v += scratch
-    return v
+def _silu_of_double_(h: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """``silu(2h)`` in place of ``h``, as ``portable_ssm._array.silu``: ``h + h·tanh(h)``."""
+    np.tanh(h, out=scratch)
+    scratch *= h
+    h += scratch
+    return h
+
+
+def _silu_(v: np.ndarray, scratch: np.ndarray, source: np.ndarray) -> np.ndarray:
+    """SiLU of ``source`` into v, returned."""
+    return _silu_of_double_(np.multiply(source, 0.5, out=v), scratch)
 
 
 def _conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, state: np.ndarray | None,
           activate: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The tiled conv, then SiLU on each tile while it is still in cache when ``activate``."""
+    """The tiled conv, then SiLU on each tile while it is still in cache when ``activate`` (the taps
+    and bias halved, so the conv gives SiLU's ``h = y/2`` at once: power-of-2 scaling is exact)."""
     b, l, d = x.shape
     k = weight.shape[-1]
     dtype = np.result_type(x, weight, *(() if bias is None else (bias,)))
+    if activate:
+        weight, bias = weight * 0.5, None if bias is None else bias * 0.5
     if state is None:
         history = np.zeros((b, k - 1, d), dtype=x.dtype)
     else:
@@ -83,7 +91,7 @@ def _conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, state: np.
         if bias is not None:
             out += bias
         if activate:
-            _silu_(out, term)
+            _silu_of_double_(out, term)
     last = np.concatenate([history, x[:, max(l - k, 0):]], axis=1)[:, -k:]  # the last k inputs, [b, k, d]
     return y, np.swapaxes(last, 1, 2)  # [b, d, k]
 
@@ -175,19 +183,20 @@ def _flushed_exp(exponent: np.ndarray, floor: float) -> np.ndarray:
 def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray,
                 chunk_size: int | None, initial_states: np.ndarray | None,
                 seq_idx: np.ndarray | None = None, D: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``portable_ssm.ssd.ssd_chunked_ref`` as one loop over chunks whose intermediates (a chunk's
-    ``[b, h, Q, Q]`` decays, its outputs, the state) stay in cache in reused buffers, with y written
-    in place into one output array: no segment concatenation, no padding (the last chunk is just
-    shorter), Δ folded into the decays instead of a scaled copy of x, and a per-head skip D added to
-    the diagonal of the decays (a ``[h, p]`` one is added per chunk). Packed rows (``seq_idx``)
-    take the reference.
+    """``portable_ssm.ssd.ssd_chunked_ref`` as loops over chunks whose intermediates stay in cache:
+    the heads are scanned in blocks of at most SCAN_HEAD_BLOCK heads of one group
+    (:func:`_scan_heads`), so a block's state and a chunk's ``[heads, Q, Q]`` decays fit in L2, and
+    every block writes its heads of y in place into one output array: no segment concatenation, no
+    padding (the last chunk is just shorter), Δ folded into the decays instead of a scaled copy of
+    x, and a per-head skip D added to the diagonal of the decays. Packed rows (``seq_idx``) take
+    the reference.
 
     One difference from the reference, far below rounding: inside a chunk, decay factors below
     ``exp(floor)`` (``floor`` as in ``portable_ssm.ssd.decay``, about 1e-19 in float32) are held at
     that value instead of flushed to 0 (a clamp costs one pass, a masked flush three), which keeps
     subnormals out of the matmuls just the same. Shapes as the reference: ``x [b, l, h, p]``, Δ
-    ``[b, l, h]``, A ``[h]``, B, C ``[b, l, g, n]``, initial_states ``[b, h, p, n]`` or None ->
-    ``(y [b, l, h, p], final_states [b, h, p, n])``."""
+    ``[b, l, h]``, A ``[h]``, B, C ``[b, l, g, n]``, D ``[h]``, ``[h, p]`` or None,
+    initial_states ``[b, h, p, n]`` or None -> ``(y [b, l, h, p], final_states [b, h, p, n])``."""
     from portable_ssm import ssd
 
     if seq_idx is not None:
@@ -198,53 +207,71 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     r = h // g
     Q = ssd.choose_chunk_size(l) if chunk_size is None else chunk_size
     dtype = np.result_type(x, dt, A, B, C, *(() if D is None else (D,)))
+    y = np.empty((b, l, h, p), dtype=dtype)
+    final = np.empty((b, h, p, n), dtype=dtype)
+    for h0, h1 in ((h0, min(h0 + SCAN_HEAD_BLOCK, (k + 1) * r)) for k in range(g)
+                   for h0 in range(k * r, (k + 1) * r, SCAN_HEAD_BLOCK)):  # blocks of heads inside group k
+        heads = slice(h0, h1)
+        final[:, heads] = _scan_heads(
+            x[:, :, heads], dt[:, :, heads], A[heads], B[:, :, h0 // r], C[:, :, h0 // r],
+            None if D is None else D[heads], None if initial_states is None else initial_states[:, heads],
+            Q, y[:, :, heads], dtype)
+    return y, final
+
+
+def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray,
+                D: np.ndarray | None, initial_states: np.ndarray | None, Q: int, y: np.ndarray,
+                dtype: np.dtype) -> np.ndarray:
+    """The scan of ``r`` heads reading one group, chunk by chunk: ``x [b, l, r, p]``, Δ ``[b, l, r]``,
+    A ``[r]``, B, C ``[b, l, n]``, D ``[r]``, ``[r, p]`` or None, initial_states ``[b, r, p, n]`` or
+    None; y ``[b, l, r, p]`` (a view of the output) is written in place. Returns the final state
+    ``[b, r, p, n]``."""
+    b, l, r, p = x.shape
+    n = B.shape[-1]
     floor = dtype.type(np.log(np.finfo(dtype).smallest_normal) / 2)
     if initial_states is None:
-        state = np.zeros((b, g, n, r, p), dtype=dtype)
-    else:  # [b, h, p, n] -> [b, g, n, r, p], n-major like the reference; a copy, updated in place
-        state = np.array(initial_states.reshape(b, g, r, p, n).transpose(0, 1, 4, 2, 3), dtype=dtype, order="C")
-    flat = _view(state, (b, g, n, r * p))
+        state = np.zeros((b, n, r, p), dtype=dtype)
+    else:  # [b, r, p, n] -> [b, n, r, p], n-major like the reference; a copy, updated in place
+        state = np.array(initial_states.transpose(0, 3, 1, 2), dtype=dtype, order="C")
+    flat = _view(state, (b, n, r * p))
     above = np.triu(np.full((Q, Q), -np.inf, dtype=dtype), 1)  # -inf where j > i, else 0
-    y = np.empty((b, l, h, p), dtype=dtype)
-    a = (dt * A).transpose(0, 2, 1)  # A·Δ <= 0, [b, h, l]
-    step = np.ascontiguousarray(dt.transpose(0, 2, 1))  # Δ [b, h, l]
+    a = (dt * A).transpose(0, 2, 1)  # A·Δ <= 0, [b, r, l]
+    step = np.ascontiguousarray(dt.transpose(0, 2, 1))  # Δ [b, r, l]
     # one flat buffer per intermediate, viewed as a contiguous array of each chunk's shape
-    buffers = [np.empty(size, dtype=dtype) for size in (b * h * Q * Q, b * h * Q * p, b * Q * h * p)]
+    buffers = [np.empty(size, dtype=dtype) for size in (b * r * Q * Q, b * r * Q * p, b * Q * r * p, b * n * r * p)]
     for t0 in range(0, l, Q):
         t1 = min(t0 + Q, l)
         q = t1 - t0
-        acs = np.cumsum(a[..., t0:t1], axis=-1)  # [b, h, q]
-        Bt = np.swapaxes(B[:, t0:t1], 1, 2).swapaxes(-1, -2)  # [b, g, n, q]
-        Cc = np.swapaxes(C[:, t0:t1], 1, 2)  # [b, g, q, n]
+        M, xh, Y_off, added = (v[:math.prod(s)].reshape(s) for v, s in zip(
+            buffers, ((b, r, q, q), (b, r, q, p), (b, q, r * p), (b, n, r * p))))
+        acs = np.cumsum(a[..., t0:t1], axis=-1)  # [b, r, q]
+        Bt, Cc = np.swapaxes(B[:, t0:t1], 1, 2), C[:, t0:t1]  # [b, n, q], [b, q, n]
         # 1. diagonal block, written into y: ((C Bᵀ) ⊙ exp(segsum) · Δ_j) x
-        M, xh, Y_off = (v[:math.prod(s)].reshape(s) for v, s in zip(buffers, ((b, h, q, q), (b, h, q, p),
-                                                                          (b, g, q, r * p))))
         np.copyto(M, acs[..., :, None])
-        M -= acs[..., None, :]  # segsum, [b, h, q, q]
+        M -= acs[..., None, :]  # segsum, [b, r, q, q]
         np.maximum(M, floor, out=M)
         M += above[:q, :q]
         np.exp(M, out=M)
         M *= step[:, :, None, t0:t1]
-        _view(M, (b, g, r, q, q))[...] *= np.matmul(Cc, Bt)[:, :, None]  # C Bᵀ once per group, [b, g, 1, q, q]
+        M *= np.matmul(Cc, Bt)[:, None]  # C Bᵀ once for all heads, [b, 1, q, q]
         if D is not None and D.ndim == 1:  # y_t += D·x_t through M's diagonal
-            _view(M, (b, h, q * q))[..., ::q + 1] += D[:, None]
-        xc = x[:, t0:t1]  # [b, q, h, p]
-        np.copyto(xh, xc.transpose(0, 2, 1, 3))  # [b, h, q, p]
-        out = y[:, t0:t1]  # [b, q, h, p]
+            _view(M, (b, r, q * q))[..., ::q + 1] += D[:, None]
+        xc = x[:, t0:t1]  # [b, q, r, p]
+        np.copyto(xh, xc.transpose(0, 2, 1, 3))  # [b, r, q, p]
+        out = y[:, t0:t1]  # [b, q, r, p]
         np.matmul(M, xh, out=out.transpose(0, 2, 1, 3))
         # 2.-4. the entering state read by C and decayed to each step; then the chunk's own state added
-        np.matmul(Cc, flat, out=Y_off)  # [b, g, q, r·p]
-        _view(Y_off, (b, g, q, r, p))[...] *= _flushed_exp(acs, floor).reshape(b, g, r, q, 1).transpose(0, 1, 3, 2, 4)
-        _view(out, (b, q, g, r * p))[...] += np.swapaxes(Y_off, 1, 2)
+        np.matmul(Cc, flat, out=Y_off)  # [b, q, r·p]
+        _view(Y_off, (b, q, r, p))[...] *= _flushed_exp(acs, floor).transpose(0, 2, 1)[..., None]
+        _view(out, (b, q, r * p))[...] += Y_off
         if D is not None and D.ndim == 2:
             out += xc * D
-        weight = _flushed_exp(acs[..., -1:] - acs, floor) * step[..., t0:t1]  # Δ decayed to the chunk's end, [b, h, q]
-        Xd = _view(xh, (b, q, h, p))  # xh's buffer, free again
+        weight = _flushed_exp(acs[..., -1:] - acs, floor) * step[..., t0:t1]  # Δ decayed to the chunk's end, [b, r, q]
+        Xd = _view(xh, (b, q, r, p))  # xh's buffer, free again
         np.multiply(xc, weight.transpose(0, 2, 1)[..., None], out=Xd)
-        state *= _flushed_exp(acs[..., -1], floor).reshape(b, g, 1, r, 1)
-        flat += np.matmul(Bt, Xd.reshape(b, q, g, r * p).transpose(0, 2, 1, 3))  # [b, g, n, r·p]
-    final = np.ascontiguousarray(state.transpose(0, 1, 3, 4, 2)).reshape(b, h, p, n)  # [b, g, r, p, n] -> [b, h, p, n]
-    return y, final
+        state *= _flushed_exp(acs[..., -1], floor)[:, None, :, None]
+        flat += np.matmul(Bt, _view(Xd, (b, q, r * p)), out=added)  # [b, n, r·p]
+    return state.transpose(0, 2, 3, 1)  # [b, n, r, p] -> [b, r, p, n]
 
 
 FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "causal_conv1d_silu": causal_conv1d_silu,

@@ -228,15 +228,19 @@ def test_native_state_passing_agrees_with_the_loop(backend):
                          [(1, None, 1, None, False), (45, 7, 3, "h", True), (64, None, 1, "hp", True),
                           (130, 64, 2, "h", False), (300, None, 1, "h", True), (5, 16, 1, "hp", False)])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_numpy_native_scan_agrees_with_the_reference(l, Q, g, D, initial, dtype):
+@pytest.mark.parametrize("head_block", [None, 3])
+def test_numpy_native_scan_agrees_with_the_reference(l, Q, g, D, initial, dtype, head_block, monkeypatch):
     import array_api_compat.numpy as nxp
     from portable_ssm.backends import fast_op
+    from portable_ssm.backends import numpy as numpy_backend
 
     from portable_ssm.ssd import ssd_chunked_ref
 
     native = fast_op(nxp, "ssd_chunked")
     assert native is not None
-    h, p, n = 2 * g, 3, 5
+    if head_block is not None:  # groups of 4 heads, scanned in blocks of 3 and 1
+        monkeypatch.setattr(numpy_backend, "SCAN_HEAD_BLOCK", head_block)
+    h, p, n = 4 * g, 3, 5
     host = scan_inputs(l + g, 2, l, h, p, g, n, with_state=initial)
     args = {k: None if host[k] is None else host[k].astype(dtype) for k in ("x", "B", "C", "A", "initial_states")}
     args["dt"] = np.exp(host["dt"] - 1.0).astype(dtype)  # Δ > 0
