@@ -201,7 +201,7 @@ def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]]) -> lis
             lines.append(f"torch train {where}: {r.ratio:.2f}x transformers (target >= 1.5)")
         if (r.case.part, r.case.name, r.case.length, r.backend) == ("forward", "130m-layer", 8192, "numpy"):
             rate = forward_flops(r.case.config, 1, 8192) / r.seconds / 1e9
-            lines.append(f"numpy forward {where}: {100 * rate / r.sgemm:.0f}% of sgemm ({rate:.1f} of "
+            lines.append(f"numpy forward {where}: {100 * rate / r.sgemm:.1f}% of sgemm ({rate:.1f} of "
                          f"{r.sgemm:.1f} GFLOP/s; target >= 60%)")
     for backend, pts in curves.items():
         times = dict(pts)

@@ -138,6 +138,7 @@ class _MatmulSpy:
 @pytest.mark.parametrize("path", ["reference", "numpy native"])
 def test_strongly_decaying_scan_has_no_subnormal_operands_and_matches_the_recurrence(path, monkeypatch):
     from portable_ssm.backends import numpy as numpy_backend
+    from portable_ssm.backends.numpy import ops as numpy_ops
 
     import portable_ssm.ssd as ssd
 
@@ -155,7 +156,7 @@ def test_strongly_decaying_scan_has_no_subnormal_operands_and_matches_the_recurr
 
         monkeypatch.setattr(ssd, "_matmul", spy)
     else:
-        monkeypatch.setattr(numpy_backend, "np", _MatmulSpy(seen))
+        monkeypatch.setattr(numpy_ops, "np", _MatmulSpy(seen))
     y = ps.ssd_scan(**f32, dt_softplus=True, chunk_size=64)
     tiny = np.finfo(np.float32).smallest_normal
     assert seen and not any(np.any((v != 0) & (np.abs(v) < tiny)) for v in seen)
@@ -232,14 +233,14 @@ def test_native_state_passing_agrees_with_the_loop(backend):
 def test_numpy_native_scan_agrees_with_the_reference(l, Q, g, D, initial, dtype, head_block, monkeypatch):
     import array_api_compat.numpy as nxp
     from portable_ssm.backends import fast_op
-    from portable_ssm.backends import numpy as numpy_backend
+    from portable_ssm.backends.numpy import ops as numpy_ops
 
     from portable_ssm.ssd import ssd_chunked_ref
 
     native = fast_op(nxp, "ssd_chunked")
     assert native is not None
     if head_block is not None:  # groups of 4 heads, scanned in blocks of 3 and 1
-        monkeypatch.setattr(numpy_backend, "SCAN_HEAD_BLOCK", head_block)
+        monkeypatch.setattr(numpy_ops, "SCAN_HEAD_BLOCK", head_block)
     h, p, n = 4 * g, 3, 5
     host = scan_inputs(l + g, 2, l, h, p, g, n, with_state=initial)
     args = {k: None if host[k] is None else host[k].astype(dtype) for k in ("x", "B", "C", "A", "initial_states")}
@@ -259,7 +260,7 @@ def test_numpy_native_scan_agrees_with_the_reference(l, Q, g, D, initial, dtype,
 
 def test_numpy_native_scan_hands_packed_rows_to_the_reference(monkeypatch):
     import array_api_compat.numpy as nxp
-    from portable_ssm.backends import numpy as numpy_backend
+    from portable_ssm.backends.numpy import ops as numpy_ops
 
     import portable_ssm.ssd as ssd
 
@@ -269,7 +270,7 @@ def test_numpy_native_scan_hands_packed_rows_to_the_reference(monkeypatch):
     calls = []
     reference = ssd.ssd_chunked_ref
     monkeypatch.setattr(ssd, "ssd_chunked_ref", lambda *a, **kw: calls.append(kw["seq_idx"]) or reference(*a, **kw))
-    y, final = numpy_backend.ssd_chunked(args["x"], args["dt"], args["A"], args["B"], args["C"], None,
+    y, final = numpy_ops.ssd_chunked(args["x"], args["dt"], args["A"], args["B"], args["C"], None,
                                          args["initial_states"], seq_idx=seq_idx)
     y_ref, final_ref = reference(**args, chunk_size=None, xp=nxp, seq_idx=seq_idx)
     assert len(calls) == 1 and calls[0] is seq_idx

@@ -1,11 +1,19 @@
-"""NumPy: the host backend. It also owns the random generator ``init_params`` draws from, so
-every backend starts from the same numbers for the same seed, plus two native fast paths: a tiled
-causal conv and in-place state passing."""
+"""NumPy's native paths, each behind a core hook and tested against the core function it replaces.
+
+They do what the array-API core cannot: update buffers in place and work tile by tile (or chunk
+by chunk), so that every pass over an intermediate reads it from cache rather than memory.
+
+- :func:`causal_conv1d`, :func:`causal_conv1d_silu`: the conv in tiles of CONV_TILE_STEPS steps,
+  SiLU applied to each tile while it is in cache;
+- :func:`gated_rms_norm`: the gated (or plain) RMSNorm in tiles of NORM_TILE_ROWS rows;
+- :func:`ssd_chunked`: the chunked scan as a loop over chunks, heads in blocks of SCAN_HEAD_BLOCK;
+- :func:`pass_states`: the reference scan's state passing in place (used with ``seq_idx``, which
+  the native scan hands to the reference).
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import array_api_compat.numpy as xp
 import numpy as np
@@ -16,36 +24,6 @@ CONV_TILE_STEPS = 32
 NORM_TILE_ROWS = 32
 #: Heads per pass of the native scan: a block's state and a chunk's decays stay in L2.
 SCAN_HEAD_BLOCK = 12
-
-
-def namespace() -> Any:
-    return xp
-
-
-def dtype(name: str) -> Any:
-    if name == "bfloat16":
-        raise TypeError("dtype: numpy has no bfloat16; use float32 or float64 (or torch/jax for bf16)")
-    return getattr(np, name)
-
-
-def asarray(host: Any, dtype_name: str | None, device: Any) -> Any:
-    if device not in (None, "cpu"):
-        raise ValueError(f"device: numpy arrays live on 'cpu', got {device!r}")
-    out = np.asarray(host)
-    return out if dtype_name is None else out.astype(dtype(dtype_name), copy=False)
-
-
-def convert(x: Any, dtype_name: str | None, device: Any) -> Any:
-    return asarray(x, dtype_name, device)
-
-
-def to_numpy(x: Any) -> np.ndarray:
-    return np.asarray(x)
-
-
-def rng(seed: int) -> np.random.Generator:
-    """The generator behind ``init_params(seed=...)``."""
-    return np.random.default_rng(seed)
 
 
 def _silu_of_double_(h: np.ndarray, scratch: np.ndarray) -> np.ndarray:
@@ -235,16 +213,24 @@ def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
         state = np.array(initial_states.transpose(0, 3, 1, 2), dtype=dtype, order="C")
     flat = _view(state, (b, n, r * p))
     above = np.triu(np.full((Q, Q), -np.inf, dtype=dtype), 1)  # -inf where j > i, else 0
-    a = (dt * A).transpose(0, 2, 1)  # A·Δ <= 0, [b, r, l]
-    step = np.ascontiguousarray(dt.transpose(0, 2, 1))  # Δ [b, r, l]
+    # the per-step decays of every chunk at once, Δ zero-padded to whole chunks (a padded step
+    # neither decays nor feeds): [b, r, c, Q], and the factors laid out as each chunk reads them
+    c = -(-l // Q)
+    step = np.zeros((b, r, c * Q), dtype=dtype)
+    step[..., :l] = dt.transpose(0, 2, 1)  # Δ [b, r, c·Q]
+    acs_all = np.cumsum((step * A[:, None]).reshape(b, r, c, Q), axis=-1)  # cumsum of A·Δ <= 0 per chunk
+    from_start = np.ascontiguousarray(_flushed_exp(acs_all, floor).transpose(0, 2, 3, 1))  # [b, c, Q, r]
+    to_end = _flushed_exp(acs_all[..., -1:] - acs_all, floor) * step.reshape(b, r, c, Q)  # Δ decayed to the chunk's end
+    to_end = np.ascontiguousarray(to_end.transpose(0, 2, 3, 1))  # [b, c, Q, r]
+    chunk_decay = np.ascontiguousarray(_flushed_exp(acs_all[..., -1], floor).transpose(0, 2, 1))  # [b, c, r]
     # one flat buffer per intermediate, viewed as a contiguous array of each chunk's shape
     buffers = [np.empty(size, dtype=dtype) for size in (b * r * Q * Q, b * r * Q * p, b * Q * r * p, b * n * r * p)]
-    for t0 in range(0, l, Q):
+    for i, t0 in enumerate(range(0, l, Q)):
         t1 = min(t0 + Q, l)
         q = t1 - t0
         M, xh, Y_off, added = (v[:math.prod(s)].reshape(s) for v, s in zip(
             buffers, ((b, r, q, q), (b, r, q, p), (b, q, r * p), (b, n, r * p))))
-        acs = np.cumsum(a[..., t0:t1], axis=-1)  # [b, r, q]
+        acs = acs_all[:, :, i, :q]  # [b, r, q]
         Bt, Cc = np.swapaxes(B[:, t0:t1], 1, 2), C[:, t0:t1]  # [b, n, q], [b, q, n]
         # 1. diagonal block, written into y: ((C Bᵀ) ⊙ exp(segsum) · Δ_j) x
         np.copyto(M, acs[..., :, None])
@@ -262,18 +248,12 @@ def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
         np.matmul(M, xh, out=out.transpose(0, 2, 1, 3))
         # 2.-4. the entering state read by C and decayed to each step; then the chunk's own state added
         np.matmul(Cc, flat, out=Y_off)  # [b, q, r·p]
-        _view(Y_off, (b, q, r, p))[...] *= _flushed_exp(acs, floor).transpose(0, 2, 1)[..., None]
+        _view(Y_off, (b, q, r, p))[...] *= from_start[:, i, :q, :, None]
         _view(out, (b, q, r * p))[...] += Y_off
         if D is not None and D.ndim == 2:
             out += xc * D
-        weight = _flushed_exp(acs[..., -1:] - acs, floor) * step[..., t0:t1]  # Δ decayed to the chunk's end, [b, r, q]
         Xd = _view(xh, (b, q, r, p))  # xh's buffer, free again
-        np.multiply(xc, weight.transpose(0, 2, 1)[..., None], out=Xd)
-        state *= _flushed_exp(acs[..., -1], floor)[:, None, :, None]
+        np.multiply(xc, to_end[:, i, :q, :, None], out=Xd)
+        state *= chunk_decay[:, i, None, :, None]
         flat += np.matmul(Bt, _view(Xd, (b, q, r * p)), out=added)  # [b, n, r·p]
     return state.transpose(0, 2, 3, 1)  # [b, n, r, p] -> [b, r, p, n]
-
-
-FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "causal_conv1d_silu": causal_conv1d_silu,
-                            "gated_rms_norm": gated_rms_norm, "pass_states": pass_states,
-                            "ssd_chunked": ssd_chunked}
