@@ -29,7 +29,7 @@ with 1% subnormal operands runs ~10x slower on x86); GPU kernels flush subnormal
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ._array import Array, Namespace, constant, device
 from .backends import fast_op
@@ -164,12 +164,17 @@ def pass_states_ref(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Ar
     return xp.stack(outputs, axis=1), state
 
 
+def decay_floor(dtype: Any, *, xp: Namespace) -> float:
+    """The smallest exponent :func:`decay` keeps: ``log(sqrt(smallest normal))`` of ``dtype``
+    (-43.7 in float32, -354 in float64)."""
+    return math.log(xp.finfo(dtype).smallest_normal) / 2
+
+
 def decay(exponent: Array, *, xp: Namespace, keep: Array | None = None) -> Array:
     """``exp(exponent)`` for sums of ``A·Δ <= 0``: 0 where ``keep`` (a mask broadcasting against
     exponent) is False, and flushed to 0 where the factor would fall below ``sqrt(smallest
     normal)`` of the dtype, so no subnormal reaches a later product. Masked entries are never exp'd."""
-    floor = math.log(xp.finfo(exponent.dtype).smallest_normal) / 2  # -43.7 in float32, -354 in float64
-    kept = exponent >= floor
+    kept = exponent >= decay_floor(exponent.dtype, xp=xp)
     return xp.exp(xp.where(kept if keep is None else kept & keep, exponent, constant(-math.inf, exponent, xp=xp)))
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from portable_ssm import ssd as core_ssd
 from portable_ssm._array import Array, dtype_name, namespace
 from portable_ssm._checks import Shapes, check_dt_limit, check_positive_int, check_same_device
+from portable_ssm.ssm_inputs import skip_and_gate
 
 #: ``launch(source, kernel, grid, block, args, shared_mem)``: runs one kernel of a ``.cu`` family.
 Launch = Callable[[str, str, tuple[int, int, int], tuple[int, int, int], tuple[Any, ...], int], None]
@@ -153,7 +154,7 @@ class KernelSet:
         None, ``seq_idx [b, l]`` or None, ``D [h]`` or ``[h, p]`` or None; chunk_size None picks
         ``choose_chunk_size(l)``. Returns ``(y [b, l, h, p], final_states [b, h, p, n])``.
         """
-        namespace(x=x, dt=dt, A=A, B=B, C=C, initial_states=initial_states, seq_idx=seq_idx, D=D)
+        xp = namespace(x=x, dt=dt, A=A, B=B, C=C, initial_states=initial_states, seq_idx=seq_idx, D=D)
         check_positive_int("chunk_size", chunk_size, allow_none=True)
         suffix = _storage("x", x)
         if suffix not in ("f32", "f64"):
@@ -182,9 +183,7 @@ class KernelSet:
         for t0 in range(0, l, step):
             length = min(step, l - t0)
             state = self._ssd_segment(x, dt, A, B, C, ids, has_seq, t0, length, Q, state, y, suffix)
-        if D is not None:
-            y += x * (D[:, None] if D.ndim == 1 else D)
-        return y, state
+        return skip_and_gate(y, x, D, None, xp=xp), state
 
     def _ssd_segment(self, x: Array, dt: Array, A: Array, B: Array, C: Array, ids: Array, has_seq: np.int32,
                      t0: int, length: int, Q: int, state: Array | None, y: Array, suffix: str) -> Array:

@@ -21,6 +21,8 @@ import cupy
 import torch
 from portable_ssm.backends import torch as torch_backend
 
+from portable_ssm.ssm_inputs import skip_and_gate
+
 from . import KERNELS
 from .reference import causal_conv1d_ref, decode_step_ref, ssd_chunked_ref
 from .sources import SWITCH, kernels_enabled
@@ -130,7 +132,7 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
         return ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
                                xp=_XP, seq_idx=seq_idx, D=D)
     y, final = _SsdChunked.apply(x, dt, A, B, C, initial_states, seq_idx, chunk_size)
-    return (y, final) if D is None else (y + x * (D[:, None] if D.ndim == 1 else D), final)
+    return skip_and_gate(y, x, D, None, xp=_XP), final
 
 
 def decode_step(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state: torch.Tensor,

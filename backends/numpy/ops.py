@@ -18,6 +18,8 @@ import math
 import array_api_compat.numpy as xp
 import numpy as np
 
+from portable_ssm import ssd
+
 #: Time steps per tile of the native conv: every tap of a tile stays in cache while it is summed.
 CONV_TILE_STEPS = 32
 #: Rows per tile of the native gated RMSNorm.
@@ -153,11 +155,6 @@ def _view(v: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return np.reshape(v, shape, copy=False)
 
 
-def _flushed_exp(exponent: np.ndarray, floor: float) -> np.ndarray:
-    """``exp`` of a small array of sums ``<= 0``, 0 below ``floor`` (``portable_ssm.ssd.decay``)."""
-    return np.exp(np.where(exponent >= floor, exponent, -np.inf))
-
-
 def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray,
                 chunk_size: int | None, initial_states: np.ndarray | None,
                 seq_idx: np.ndarray | None = None, D: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -175,8 +172,6 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     subnormals out of the matmuls just the same. Shapes as the reference: ``x [b, l, h, p]``, Δ
     ``[b, l, h]``, A ``[h]``, B, C ``[b, l, g, n]``, D ``[h]``, ``[h, p]`` or None,
     initial_states ``[b, h, p, n]`` or None -> ``(y [b, l, h, p], final_states [b, h, p, n])``."""
-    from portable_ssm import ssd
-
     if seq_idx is not None:
         return ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
                                    xp=xp, seq_idx=seq_idx, D=D)
@@ -206,7 +201,7 @@ def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     ``[b, r, p, n]``."""
     b, l, r, p = x.shape
     n = B.shape[-1]
-    floor = dtype.type(np.log(np.finfo(dtype).smallest_normal) / 2)
+    floor = dtype.type(ssd.decay_floor(dtype, xp=xp))
     if initial_states is None:
         state = np.zeros((b, n, r, p), dtype=dtype)
     else:  # [b, r, p, n] -> [b, n, r, p], n-major like the reference; a copy, updated in place
@@ -219,10 +214,10 @@ def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     step = np.zeros((b, r, c * Q), dtype=dtype)
     step[..., :l] = dt.transpose(0, 2, 1)  # Δ [b, r, c·Q]
     acs_all = np.cumsum((step * A[:, None]).reshape(b, r, c, Q), axis=-1)  # cumsum of A·Δ <= 0 per chunk
-    from_start = np.ascontiguousarray(_flushed_exp(acs_all, floor).transpose(0, 2, 3, 1))  # [b, c, Q, r]
-    to_end = _flushed_exp(acs_all[..., -1:] - acs_all, floor) * step.reshape(b, r, c, Q)  # Δ decayed to the chunk's end
+    from_start = np.ascontiguousarray(ssd.decay(acs_all, xp=xp).transpose(0, 2, 3, 1))  # [b, c, Q, r]
+    to_end = ssd.decay(acs_all[..., -1:] - acs_all, xp=xp) * step.reshape(b, r, c, Q)  # Δ decayed to the chunk's end
     to_end = np.ascontiguousarray(to_end.transpose(0, 2, 3, 1))  # [b, c, Q, r]
-    chunk_decay = np.ascontiguousarray(_flushed_exp(acs_all[..., -1], floor).transpose(0, 2, 1))  # [b, c, r]
+    chunk_decay = np.ascontiguousarray(ssd.decay(acs_all[..., -1], xp=xp).transpose(0, 2, 1))  # [b, c, r]
     # one flat buffer per intermediate, viewed as a contiguous array of each chunk's shape
     buffers = [np.empty(size, dtype=dtype) for size in (b * r * Q * Q, b * r * Q * p, b * Q * r * p, b * n * r * p)]
     for i, t0 in enumerate(range(0, l, Q)):
