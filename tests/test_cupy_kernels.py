@@ -251,7 +251,7 @@ def test_decode_reference_is_the_ssm_part_of_mixer_step(rng: np.random.Generator
     ssm_state = rng.standard_normal((b, c.nheads, c.headdim, c.d_state))
     out, conv_want, ssm_want = mixer_step(u, p, c, conv_state, ssm_state, xp=xp)
 
-    zxbcdt = u @ p["in_proj.weight"].T  # [b, d_in_proj] = [z, xBC, dt]
+    zxbcdt = (p["in_proj.weight"] @ u.T).T  # [b, d_in_proj] = [z, xBC, dt], as mixer_step's decode matmul
     z, xBC, dt = np.split(zxbcdt, [c.d_inner, c.d_inner + c.conv_dim], axis=-1)
     y, conv_state, ssm_state = reference.decode_step_ref(
         xBC, dt, z, conv_state, ssm_state, p["conv1d.weight"].reshape(c.conv_dim, c.d_conv), p["conv1d.bias"],
