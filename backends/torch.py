@@ -52,6 +52,26 @@ def to_numpy(x: Any) -> np.ndarray:
     return x.cpu().numpy()
 
 
+def read_state_dict(path: str) -> dict[str, tuple[np.ndarray, str]]:
+    """A ``pytorch_model.bin`` state dict as host arrays with their stored dtype names, loaded with
+    ``torch.load(weights_only=True)`` (nothing but tensors and containers is unpickled).
+    ValueError saying what is wrong when the file is not a plain state dict of tensors."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as err:
+        raise ValueError(f"not a plain state dict of tensors (loaded with weights_only=True: {err})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"expected a state dict of tensors, got {type(state).__name__}")
+    out = {}
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"entry {name!r} is a {type(value).__name__}, expected a tensor")
+        out[name] = (to_numpy(value), _dtype_name(value.dtype))
+    return out
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.nn.functional.conv1d`` version of ``portable_ssm.conv.causal_conv1d_ref``:

@@ -8,7 +8,7 @@ NCCL on GPU). Batches depend on the step alone, so ``--resume`` continues exactl
 checkpoint left off.
 
 Checkpoints in ``--out`` (never pickle): ``model.safetensors`` holds the Mamba-2 parameters in core
-names with the config (``portable_ssm.checkpoint.save_params``); ``trainer.safetensors`` holds the
+names with the config (``portable_ssm.save_params``); ``trainer.safetensors`` holds the
 rest of the model (``param/<name>``), the optimizer state (``optim/<name>/<key>``) and, as metadata,
 the step and the metric history. ``curves.png`` is drawn next to them.
 """
@@ -36,7 +36,7 @@ from portable_ssm.backends.torch import (
 from torch import nn
 from tqdm import tqdm
 
-from portable_ssm.checkpoint import load_arrays, load_params, save_arrays, save_params
+from portable_ssm.io import load_arrays, load_params, save_arrays, save_params
 
 MODEL_FILE, TRAINER_FILE, PLOT_FILE = "model.safetensors", "trainer.safetensors", "curves.png"
 

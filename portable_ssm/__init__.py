@@ -15,13 +15,13 @@ Public API:
 """
 
 from .backends import to_backend
-from .checkpoint import CheckpointError, load_arrays, load_params, save_arrays, save_params
 from .config import Mamba2Config, default_config
 from .data import Batch, collate, to_padded, unpack
 from .discretize import discretize
+from .io import CheckpointError, load_arrays, load_params, load_pretrained, save_arrays, save_params
+from .language_model import Mamba2LM
 from .model import Mamba2State, empty_state, forward, step
 from .params import cast_params, check_params, init_params, param_shapes
-from .pretrained import Mamba2LM, load_pretrained
 from .recurrence import selective_scan, ssd_step
 from .ssd import choose_chunk_size, ssd_scan
 

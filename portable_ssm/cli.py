@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from .backends import NAMES
-from .pretrained import Mamba2LM, load_pretrained
+from .io import load_pretrained
+from .language_model import Mamba2LM
 
 
 def _tokenizer(model: str) -> Any:

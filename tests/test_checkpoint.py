@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import portable_ssm as ps
-from portable_ssm.checkpoint import CheckpointError, load_arrays, load_params, save_arrays, save_params
+from portable_ssm.io import CheckpointError, load_arrays, load_params, save_arrays, save_params
 
 CONFIG = ps.Mamba2Config(d_model=8, n_layer=2, d_state=4, headdim=4, vocab_size=10)
 
@@ -169,7 +169,7 @@ def test_save_params_refuses_metadata_that_would_shadow_the_format(tmp_path):
         save_params(tmp_path / "m.safetensors", ps.init_params(CONFIG), CONFIG, metadata={"config": "{}"})
 
 
-# --- The NumPy safetensors reader/writer (portable_ssm.backends.safetensors_io) ---
+# --- The NumPy safetensors reader/writer (portable_ssm.io.safetensors) ---
 
 NUMERIC = ["float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "uint64", "uint32", "uint16"]
 
@@ -218,7 +218,7 @@ def test_integer_and_bool_arrays_round_trip_bit_exact(backend, tmp_path):
 
 
 def test_bf16_is_widened_exactly_and_f16_is_kept(tmp_path):
-    from portable_ssm.backends.safetensors_io import read_safetensors
+    from portable_ssm.io.safetensors import read_safetensors
 
     rng = np.random.default_rng(2)
     bf16_bits = rng.integers(0, 2**16, (4, 3), dtype=np.uint16)
@@ -234,7 +234,7 @@ def test_bf16_is_widened_exactly_and_f16_is_kept(tmp_path):
 
 def test_files_of_the_safetensors_package_read_bit_exact_for_every_dtype(tmp_path):
     safetensors_numpy = pytest.importorskip("safetensors.numpy")
-    from portable_ssm.backends.safetensors_io import read_safetensors
+    from portable_ssm.io.safetensors import read_safetensors
 
     arrays = _every_dtype()
     safetensors_numpy.save_file(arrays, str(tmp_path / "pkg.safetensors"), metadata={"k": "v"})
@@ -248,7 +248,7 @@ def test_files_of_the_safetensors_package_read_bit_exact_for_every_dtype(tmp_pat
 def test_the_safetensors_package_reads_bf16_files_the_same(tmp_path):
     torch = pytest.importorskip("torch")
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from portable_ssm.backends.safetensors_io import read_safetensors
+    from portable_ssm.io.safetensors import read_safetensors
 
     tensors = {"w": torch.randn(3, 4).bfloat16(), "h": torch.randn(2).half()}
     safetensors_torch.save_file(tensors, str(tmp_path / "bf.safetensors"))

@@ -13,7 +13,7 @@ import pytest
 from test_pretrained import write_transformers_checkpoint
 
 from portable_ssm.cli import main
-from portable_ssm.pretrained import load_pretrained
+from portable_ssm.io import load_pretrained
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ if not torch.distributed.is_available():
     pytest.skip("torch.distributed is not available in this build", allow_module_level=True)
 
 from portable_ssm import init_params  # noqa: E402
-from portable_ssm.checkpoint import load_arrays, load_params  # noqa: E402
+from portable_ssm.io import load_arrays, load_params  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_timeseries.py"
 FLAGS = ["--steps", "3", "--batch-size", "8", "--d-model", "16", "--n-layer", "2", "--d-state", "8",

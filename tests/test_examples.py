@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import train_selective_copy  # noqa: E402
 import train_timeseries  # noqa: E402
 
-from portable_ssm.checkpoint import load_arrays, load_params  # noqa: E402
+from portable_ssm.io import load_arrays, load_params  # noqa: E402
 
 TINY = ["--d-model", "16", "--n-layer", "1", "--d-state", "8", "--headdim", "8", "--batch-size", "4",
         "--eval-every", "2", "--ckpt-every", "2"]

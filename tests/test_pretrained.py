@@ -11,8 +11,7 @@ import pytest
 from conftest import assert_close, rel_err
 
 import portable_ssm as ps
-from portable_ssm.checkpoint import CheckpointError
-from portable_ssm.pretrained import load_pretrained
+from portable_ssm.io import CheckpointError, load_pretrained
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -249,6 +248,7 @@ def test_torch_bin_is_never_unpickled_beyond_tensors(tmp_path):
 def test_torch_bin_without_torch_says_what_to_install(tmp_path, monkeypatch):
     state_spaces_dir(tmp_path, hf_model(vocab_size=48), 48, "pytorch_model.bin")
     monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setitem(sys.modules, "portable_ssm.backends.torch", None)  # as where torch is absent
     with pytest.raises(ImportError, match=r"needs torch \(pip install 'portable-ssm\[torch\]'\)"):
         load_pretrained(tmp_path)
 

@@ -19,7 +19,7 @@ from portable_ssm.backends.torch import (  # noqa: E402
 
 import portable_ssm as ps  # noqa: E402
 from portable_ssm import lm  # noqa: E402
-from portable_ssm.checkpoint import load_arrays, load_params, save_arrays, save_params  # noqa: E402
+from portable_ssm.io import load_arrays, load_params, save_arrays, save_params  # noqa: E402
 
 CONFIG = ps.Mamba2Config(d_model=16, n_layer=2, d_state=8, headdim=8, chunk_size=8)
 LM_CONFIG = ps.Mamba2Config(d_model=16, n_layer=2, d_state=8, headdim=8, vocab_size=20)

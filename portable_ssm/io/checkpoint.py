@@ -7,7 +7,7 @@ do the same for any named arrays (optimizer state, task heads), without a config
 NumPy has no bfloat16, so bf16/fp16 arrays are stored widened to float32 (exact) and the
 ``dtypes`` metadata entry narrows them again on load unless ``dtype=`` says otherwise.
 
-Files are read and written by :mod:`portable_ssm.backends.safetensors_io` with NumPy alone (the
+Files are read and written by :mod:`portable_ssm.io.safetensors` with NumPy alone (the
 ``safetensors`` package is not needed): the header is checked against the file size before any
 data is read, so a truncated or corrupt file raises :class:`CheckpointError` naming the file and
 the first tensor that is cut or malformed.
@@ -19,20 +19,17 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from ._array import Array, array_backend, dtype_name
-from .backends import load, to_backend
-from .config import Mamba2Config
-from .params import Params, check_params, param_shapes
+from .._array import Array, array_backend, dtype_name
+from ..backends import load, to_backend
+from ..config import Mamba2Config
+from ..params import Params, check_params, param_shapes
+from .errors import CheckpointError
 
 if TYPE_CHECKING:
-    from .backends.safetensors_io import Contents
+    from .safetensors import Contents
 
 FORMAT = "portable_ssm.v1"
 _RESERVED = ("format", "config", "dtype", "dtypes")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that is corrupt, truncated or does not match its config."""
 
 
 def save_arrays(path: str | os.PathLike, arrays: dict[str, Array], *,
@@ -42,7 +39,7 @@ def save_arrays(path: str | os.PathLike, arrays: dict[str, Array], *,
     The file is written next to ``path`` and renamed over it, so a crash never leaves half a file
     under the final name. ``metadata`` values must be strings.
     """
-    from .backends.safetensors_io import write_safetensors
+    from .safetensors import write_safetensors
 
     host, narrowed = {}, {}
     for key, value in arrays.items():
@@ -69,7 +66,7 @@ def load_arrays(path: str | os.PathLike, *, backend: str = "numpy", dtype: str |
 
 def _read(path: str) -> Contents:
     """The safetensors file at ``path`` on the host (numpy arrays); numpy is imported here, not on import."""
-    from .backends.safetensors_io import read_safetensors
+    from .safetensors import read_safetensors
 
     return read_safetensors(path)
 

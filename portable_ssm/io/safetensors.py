@@ -3,7 +3,7 @@
 A file is an 8-byte little-endian header length, a JSON header (``__metadata__``: strings; per
 tensor ``dtype``, ``shape`` and ``data_offsets`` into the data section) and the little-endian data.
 :func:`read_header` parses the header and checks every entry against the file size before any
-data is read, so a truncated or corrupt file raises :class:`~portable_ssm.checkpoint.CheckpointError`
+data is read, so a truncated or corrupt file raises :class:`~portable_ssm.io.CheckpointError`
 naming the file and the first tensor that is cut or malformed.
 
 :func:`write_safetensors` lays files out as the ``safetensors`` package does (tensors ordered by
@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
-from ..checkpoint import CheckpointError
+from .errors import CheckpointError
 
 #: safetensors dtype -> little-endian numpy dtype (BF16: its raw bits), in the order the
 #: safetensors package writes tensors in.

@@ -3,7 +3,7 @@
 :func:`config_fields` maps either ``config.json`` to :class:`~portable_ssm.config.Mamba2Config`
 fields and :func:`sanitize` fixes every checkpoint quirk (the ``backbone.`` prefix, the two
 embedding names, tied heads, padded vocabularies, D's shape), naming the tensor as the checkpoint
-spells it in every error. Files are read in :mod:`portable_ssm.pretrained`.
+spells it in every error. Files are read in :mod:`portable_ssm.io.pretrained`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .checkpoint import CheckpointError
-from .config import Mamba2Config
-from .params import param_shapes
+from ..config import Mamba2Config
+from ..params import param_shapes
+from .errors import CheckpointError
 
 Tensors = dict[str, tuple[Any, str]]  # checkpoint name -> (host numpy array, stored dtype name)
 
