@@ -11,8 +11,9 @@ from typing import Any
 class Mamba2Config:
     """Mamba-2 hyper-parameters (mamba_ssm's ``Mamba2`` / ``MambaConfig`` names).
 
-    Derived sizes: ``d_inner = expand·d_model``, ``nheads = d_inner / headdim``,
-    ``conv_dim = d_inner + 2·ngroups·d_state``, ``d_in_proj = 2·d_inner + 2·ngroups·d_state + nheads``.
+    Derived sizes: ``d_inner = expand·d_model``, ``ssm_dim = d_ssm or d_inner`` (channels the SSM
+    runs on), ``d_mlp = d_inner - ssm_dim`` (the rest: a gated MLP), ``nheads = ssm_dim / headdim``,
+    ``conv_dim = ssm_dim + 2·ngroups·d_state``, ``d_in_proj = 2·d_inner + 2·ngroups·d_state + nheads``.
     Invalid combinations raise ``ValueError`` naming the field.
     """
 
@@ -30,6 +31,9 @@ class Mamba2Config:
     dt_limit: tuple[float, float] = (0.0, math.inf)  # clamp on Δ after softplus
     A_init_range: tuple[float, float] = (1.0, 16.0)  # A ~ U(range), A_log = log A
     D_has_hdim: bool = False  # D is [nheads, headdim] instead of [nheads]
+    d_ssm: int | None = None  # SSM on this many of the d_inner channels, a gated MLP on the rest; None: all
+    rmsnorm: bool = True  # False: no norm, out_proj(y · silu(z))
+    norm_before_gate: bool = False  # True: rmsnorm(y) · silu(z) instead of rmsnorm(y · silu(z))
     conv_bias: bool = True
     bias: bool = False  # biases on in_proj / out_proj
     norm_eps: float = 1e-5
@@ -46,13 +50,19 @@ class Mamba2Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Mamba2Config.{name}: expected a positive int, got {value!r}")
+        for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "conv_bias", "bias", "residual_in_fp32",
+                     "tie_embeddings", "rescale_prenorm_residual"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Mamba2Config.{name}: expected True or False, got {getattr(self, name)!r}")
         if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size <= 0):
             raise ValueError(f"Mamba2Config.vocab_size: expected None or a positive int, got {self.vocab_size!r}")
-        if self.d_inner % self.headdim:
-            raise ValueError(f"Mamba2Config.headdim: d_inner = expand*d_model = {self.d_inner} must be a "
+        self._check_d_ssm()
+        if self.ssm_dim % self.headdim:
+            what = "d_ssm" if self.d_mlp else "d_inner = expand*d_model"
+            raise ValueError(f"Mamba2Config.headdim: {what} = {self.ssm_dim} must be a "
                              f"multiple of headdim = {self.headdim}")
         if self.nheads % self.ngroups:
-            raise ValueError(f"Mamba2Config.ngroups: nheads = d_inner/headdim = {self.nheads} must be a "
+            raise ValueError(f"Mamba2Config.ngroups: nheads = ssm_dim/headdim = {self.nheads} must be a "
                              f"multiple of ngroups = {self.ngroups}")
         if not 0 < self.dt_min <= self.dt_max:
             raise ValueError(f"Mamba2Config.dt_min/dt_max: expected 0 < dt_min <= dt_max, "
@@ -70,17 +80,39 @@ class Mamba2Config:
         object.__setattr__(self, "dt_limit", (float(low), float(high)))
         object.__setattr__(self, "A_init_range", (float(lo), float(hi)))
 
+    def _check_d_ssm(self) -> None:
+        """``d_ssm``: None or a positive int up to d_inner; d_ssm = d_inner is stored as None (one model,
+        one config)."""
+        d_ssm = self.d_ssm
+        if d_ssm is None:
+            return
+        if isinstance(d_ssm, bool) or not isinstance(d_ssm, int) or not 0 < d_ssm <= self.d_inner:
+            raise ValueError(f"Mamba2Config.d_ssm: expected None or an int in [1, d_inner = {self.d_inner}], "
+                             f"got {d_ssm!r}")
+        if d_ssm == self.d_inner:
+            object.__setattr__(self, "d_ssm", None)
+
     @property
     def d_inner(self) -> int:
         return self.expand * self.d_model
 
     @property
+    def ssm_dim(self) -> int:
+        """Channels the SSM runs on (mamba_ssm's resolved ``self.d_ssm``): d_ssm, or d_inner when None."""
+        return self.d_inner if self.d_ssm is None else self.d_ssm
+
+    @property
+    def d_mlp(self) -> int:
+        """Channels of the gated MLP beside the SSM: ``silu(z0) · x0`` goes to out_proj before y."""
+        return self.d_inner - self.ssm_dim
+
+    @property
     def nheads(self) -> int:
-        return self.d_inner // self.headdim
+        return self.ssm_dim // self.headdim
 
     @property
     def conv_dim(self) -> int:
-        return self.d_inner + 2 * self.ngroups * self.d_state
+        return self.ssm_dim + 2 * self.ngroups * self.d_state
 
     @property
     def d_in_proj(self) -> int:

@@ -1,7 +1,9 @@
 """The Mamba-2 mixer (MAMBA2_SPEC.md steps 1 to 9): projections, conv, SSM, gated norm.
 
 The layer reads as three phases: conv (``xBC``), ssm (chunked scan or one recurrence step),
-gated norm and out projection. Packed in_proj output order: ``[z, x, B, C, dt]``. With
+gated norm and out projection. Packed in_proj output order: ``[z0, x0, z, x, B, C, dt]``, where
+``z0, x0 [d_mlp]`` exist only with ``d_ssm < d_inner`` (a gated MLP, ``silu(z0)·x0``, whose
+channels go to out_proj in front of the SSM's). With
 ``seq_idx`` (several sequences packed in one row) the conv and the scan both restart at every
 sequence boundary.
 """
@@ -15,7 +17,7 @@ from .backends import fast_op
 from .config import Mamba2Config
 from .conv import causal_conv1d_silu, conv_step
 from .discretize import delta
-from .norm import gated_rms_norm
+from .norm import gated_rms_norm, rms_norm_then_gate
 from .recurrence import recurrence_step
 from .ssd import ssd_chunked
 from .ssm_inputs import heads_from_groups, skip_and_gate
@@ -34,19 +36,22 @@ def _linear(v: Array, weight: Array, bias: Array | None, *, xp: Namespace) -> Ar
     return xp.reshape(out, (*lead, weight.shape[0]))  # [..., out]
 
 
-def _split(zxbcdt: Array, c: Mamba2Config) -> tuple[Array, Array, Array]:
-    """``[..., d_in_proj] -> z [..., d_inner], xBC [..., conv_dim], dt [..., nheads]``."""
-    return (zxbcdt[..., :c.d_inner], zxbcdt[..., c.d_inner:c.d_inner + c.conv_dim],
-            zxbcdt[..., c.d_inner + c.conv_dim:])
+def _split(zxbcdt: Array, c: Mamba2Config) -> tuple[Array | None, Array, Array, Array]:
+    """``[..., d_in_proj] -> mlp [..., 2·d_mlp] (z0 then x0; None without d_ssm), z [..., ssm_dim],
+    xBC [..., conv_dim], dt [..., nheads]``: mamba_ssm's order ``[z0, x0, z, xBC, dt]``."""
+    m = 2 * c.d_mlp
+    x_at = m + c.ssm_dim
+    dt_at = x_at + c.conv_dim
+    return (zxbcdt[..., :m] if m else None, zxbcdt[..., m:x_at], zxbcdt[..., x_at:dt_at], zxbcdt[..., dt_at:])
 
 
 def _split_xbc(xBC: Array, c: Mamba2Config, *, xp: Namespace) -> tuple[Array, Array, Array]:
     """``xBC [..., conv_dim] -> x [..., h, p], B [..., g, n], C [..., g, n]``."""
-    gn = c.ngroups * c.d_state
+    gn, d = c.ngroups * c.d_state, c.ssm_dim
     *lead, _ = xBC.shape
-    x = xp.reshape(xBC[..., :c.d_inner], (*lead, c.nheads, c.headdim))  # [..., h, p]
-    B = xp.reshape(xBC[..., c.d_inner:c.d_inner + gn], (*lead, c.ngroups, c.d_state))  # [..., g, n]
-    C = xp.reshape(xBC[..., c.d_inner + gn:], (*lead, c.ngroups, c.d_state))  # [..., g, n]
+    x = xp.reshape(xBC[..., :d], (*lead, c.nheads, c.headdim))  # [..., h, p]
+    B = xp.reshape(xBC[..., d:d + gn], (*lead, c.ngroups, c.d_state))  # [..., g, n]
+    C = xp.reshape(xBC[..., d + gn:], (*lead, c.ngroups, c.d_state))  # [..., g, n]
     return x, B, C
 
 
@@ -55,11 +60,44 @@ def _ssm_params(p: dict[str, Array], c: Mamba2Config, cdtype: Any, *, xp: Namesp
     return -xp.exp(xp.astype(p["A_log"], cdtype, copy=False)), xp.astype(p["D"], cdtype, copy=False)
 
 
-def _output(y: Array, z: Array | None, p: dict[str, Array], c: Mamba2Config, *, xp: Namespace) -> Array:
-    """Gated grouped RMSNorm then out_proj: ``y, z [..., d_inner] -> [..., d_model]`` (``z=None``:
-    y is already gated)."""
-    y = gated_rms_norm(y, z, p["norm.weight"], c.ngroups, c.norm_eps, xp=xp)
+def _gate(y: Array, z: Array | None, dtype: Any, *, xp: Namespace) -> Array:
+    """``y · silu(z)`` in the compute dtype, returned in ``dtype`` (``z=None``: y itself, cast)."""
+    cdtype = compute_dtype(xp, dtype)
+    v = xp.astype(y, cdtype, copy=False)
+    if z is not None:
+        v = v * silu(xp.astype(z, cdtype, copy=False), xp=xp)
+    return xp.astype(v, dtype, copy=False)
+
+
+def _gate_and_norm(y: Array, z: Array | None, p: dict[str, Array], c: Mamba2Config, *, xp: Namespace) -> Array:
+    """mamba_ssm's three ways to apply the gate to ``y, z [..., ssm_dim]``, in the params' dtype:
+    ``rmsnorm(y · silu(z))`` (the default), ``rmsnorm(y) · silu(z)`` (norm_before_gate) and
+    ``y · silu(z)`` (rmsnorm=False, which ignores norm_before_gate); ``z=None``: y is already
+    gated (the fused decode, never used with norm_before_gate)."""
+    if not c.rmsnorm:
+        return _gate(y, z, p["out_proj.weight"].dtype, xp=xp)
+    if c.norm_before_gate:
+        return rms_norm_then_gate(y, z, p["norm.weight"], c.ngroups, c.norm_eps, xp=xp)
+    return gated_rms_norm(y, z, p["norm.weight"], c.ngroups, c.norm_eps, xp=xp)
+
+
+def _output(y: Array, z: Array | None, mlp: Array | None, p: dict[str, Array], c: Mamba2Config, *,
+            xp: Namespace) -> Array:
+    """Gate and norm, the gated MLP's channels in front, out_proj: ``y, z [..., ssm_dim]`` and
+    ``mlp [..., 2·d_mlp]`` (or None) -> ``[..., d_model]``."""
+    y = _gate_and_norm(y, z, p, c, xp=xp)
+    if mlp is not None:
+        z0, x0 = mlp[..., :c.d_mlp], mlp[..., c.d_mlp:]
+        y = xp.concat([_gate(x0, z0, y.dtype, xp=xp), y], axis=-1)  # silu(z0)·x0 then y: [..., d_inner]
     return _linear(y, p["out_proj.weight"], p.get("out_proj.bias"), xp=xp)
+
+
+def _fused_decode(c: Mamba2Config, *, xp: Namespace) -> Any:
+    """The backend's fused decode kernel (``fast_op(xp, "decode_step")``), or None where it cannot
+    compute this variant: it gates y before the norm, so norm_before_gate=True runs the reference."""
+    if c.rmsnorm and c.norm_before_gate:
+        return None
+    return fast_op(xp, "decode_step")
 
 
 def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | None,
@@ -70,7 +108,7 @@ def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | No
     ssm_state [b, h, p, n])``. ``seq_idx [b, l]``: run ids of packed sequences (the incoming
     states feed each row's first sequence, the returned ones are its last sequence's), or None."""
     b, l, _ = u.shape
-    z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
+    mlp, z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
     xBC, conv_state = causal_conv1d_silu(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp, seq_idx=seq_idx)
     x, B, C = _split_xbc(xBC, c, xp=xp)
@@ -81,23 +119,23 @@ def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | No
     x, B, C = (xp.astype(v, cdtype, copy=False) for v in (x, B, C))
     y, ssm_state = ssd_chunked(x, xp.astype(step, cdtype, copy=False), A, B, C, chunk_size=None,
                                initial_states=ssm_state, seq_idx=seq_idx, D=D, xp=xp)
-    y = xp.reshape(y, (b, l, c.d_inner))  # [b, l, h, p] -> [b, l, d_inner]
-    return _output(y, z, p, c, xp=xp), conv_state, ssm_state
+    y = xp.reshape(y, (b, l, c.ssm_dim))  # [b, l, h, p] -> [b, l, ssm_dim]
+    return _output(y, z, mlp, p, c, xp=xp), conv_state, ssm_state
 
 
 def mixer_step(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array, ssm_state: Array, *,
                xp: Namespace) -> tuple[Array, Array, Array]:
     """One token through one layer: ``u [b, d_model]`` -> ``(out [b, d_model], conv_state, ssm_state)``."""
     b, _ = u.shape
-    z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
+    mlp, z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
     cdtype = compute_dtype(xp, u.dtype)
     A, D = _ssm_params(p, c, cdtype, xp=xp)
-    native = fast_op(xp, "decode_step")
+    native = _fused_decode(c, xp=xp)
     if native is not None:  # one fused launch: conv, SiLU, Δ, state update, output, D skip and gate
         y, conv_state, ssm_state = native(xBC, dt, z, conv_state, ssm_state, conv_w, p.get("conv1d.bias"),
                                           p["dt_bias"], A, D, c.dt_limit, c.ngroups, c.headdim)
-        return _output(y, None, p, c, xp=xp), conv_state, ssm_state
+        return _output(y, None, mlp, p, c, xp=xp), conv_state, ssm_state
 
     xBC, conv_state = conv_step(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp)
     x, B, C = _split_xbc(silu(xBC, xp=xp), c, xp=xp)
@@ -105,5 +143,5 @@ def mixer_step(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array
     x, B, C = (xp.astype(v, cdtype, copy=False) for v in (x, B, C))
     y, ssm_state = recurrence_step(ssm_state, x, step, A, heads_from_groups(B, c.nheads, xp=xp),
                                    heads_from_groups(C, c.nheads, xp=xp), xp=xp)
-    y = xp.reshape(skip_and_gate(y, x, D, None, xp=xp), (b, c.d_inner))  # [b, h, p] -> [b, d_inner]
-    return _output(y, z, p, c, xp=xp), conv_state, ssm_state
+    y = xp.reshape(skip_and_gate(y, x, D, None, xp=xp), (b, c.ssm_dim))  # [b, h, p] -> [b, ssm_dim]
+    return _output(y, z, mlp, p, c, xp=xp), conv_state, ssm_state

@@ -41,3 +41,12 @@ def gated_rms_norm_ref(y: Array, z: Array | None, weight: Array, groups: int, ep
     v = v / xp.sqrt(_mean_square(v, xp=xp) + eps)
     v = xp.reshape(v, (*lead, d))  # [..., d]
     return weight * xp.astype(v, weight.dtype, copy=False)
+
+
+def rms_norm_then_gate(y: Array, z: Array, weight: Array, groups: int, eps: float, *, xp: Namespace) -> Array:
+    """``rmsnorm(y) · silu(z)`` per group (mamba_ssm's ``norm_before_gate=True``): the ungated
+    grouped norm (its native path too), then the gate in the compute dtype; returns weight's dtype."""
+    cdtype = compute_dtype(xp, weight.dtype)
+    normed = xp.astype(gated_rms_norm(y, None, weight, groups, eps, xp=xp), cdtype, copy=False)
+    gated = normed * silu(xp.astype(z, cdtype, copy=False), xp=xp)
+    return xp.astype(gated, weight.dtype, copy=False)

@@ -22,7 +22,10 @@ Params = dict[str, Array]
 
 
 def param_shapes(config: Mamba2Config) -> dict[str, tuple[int, ...]]:
-    """Every parameter name with its shape, in checkpoint order."""
+    """Every parameter name with its shape, in checkpoint order. With ``D_has_hdim`` D is
+    ``[nheads, headdim]`` (mamba_ssm stores it flat, ``[nheads·headdim]``; the loader reshapes it);
+    ``rmsnorm=False`` has no ``mixer.norm.weight``; with ``d_ssm`` the conv, Δ, A, D and the norm
+    cover the SSM channels only while in_proj / out_proj keep d_inner's width."""
     c = config
     shapes: dict[str, tuple[int, ...]] = {}
     if c.vocab_size is not None:
@@ -38,7 +41,8 @@ def param_shapes(config: Mamba2Config) -> dict[str, tuple[int, ...]]:
         shapes[m + "dt_bias"] = (c.nheads,)
         shapes[m + "A_log"] = (c.nheads,)
         shapes[m + "D"] = (c.nheads, c.headdim) if c.D_has_hdim else (c.nheads,)
-        shapes[m + "norm.weight"] = (c.d_inner,)
+        if c.rmsnorm:
+            shapes[m + "norm.weight"] = (c.ssm_dim,)  # the gated norm runs on the SSM channels only
         shapes[m + "out_proj.weight"] = (c.d_model, c.d_inner)
         if c.bias:
             shapes[m + "out_proj.bias"] = (c.d_model,)

@@ -4,9 +4,11 @@ Shape legend (MAMBA2_SPEC.md):
     b batch, l sequence length, h heads, p headdim, g groups (head i reads group i // (h/g)),
     n state size, Q chunk size, c number of chunks.
 
-Dtype rule: ``x``, ``B``, ``C`` and ``z`` share one floating dtype (the storage dtype; mixing
-float32 and float64 there is a TypeError). The SSM parameters ``dt``, ``A``, ``D`` and ``dt_bias``
-may be any floating dtype, as mamba_ssm keeps them in float32 for bf16 models. All the math runs
+Dtype rule: ``x`` and ``z`` share one floating dtype (the storage dtype; mixing float32 and
+float64 there is a TypeError). ``B`` and ``C`` have x's dtype or, as mamba_ssm's kernels allow,
+the compute dtype (float32 B, C beside bfloat16/float16 x, so they need not be rounded to half).
+The SSM parameters ``dt``, ``A``, ``D`` and ``dt_bias`` may be any floating dtype, as mamba_ssm
+keeps them in float32 for bf16 models. All the math runs
 in the compute dtype: float64 for float64 inputs, float32 otherwise (bf16/fp16 too). States
 (``initial_states`` and the returned ones) are in the compute dtype; ``y`` comes back in x's dtype.
 
@@ -69,9 +71,10 @@ def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: A
     check_floating("x", x, xp=xp)
     shapes.check("x", x, ("b", *seq, "h", "p"))
     validate_dt(shapes, dt, A, dt_bias, ("b", *seq, "h"), xp=xp)
+    cdtype = compute_dtype(xp, x.dtype)
     for name, value in (("B", B), ("C", C)):
         check_floating(name, value, xp=xp)
-        check_same_dtype(name, value, "x", x)
+        _check_projection_dtype(name, value, x, cdtype)
         shapes.check(name, value, ("b", *seq, "g", "n"))
     if shapes["h"] % shapes["g"] != 0:
         raise ValueError(f"B: the number of heads h={shapes['h']} (from x) must be a multiple of the "
@@ -83,7 +86,6 @@ def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: A
         check_floating("z", z, xp=xp)
         check_same_dtype("z", z, "x", x)
         shapes.check("z", z, ("b", *seq, "h", "p"))
-    cdtype = compute_dtype(xp, x.dtype)
     if states is not None:
         check_floating(states_name, states, xp=xp)
         shapes.check(states_name, states, ("b", "h", "p", "n"))
@@ -103,6 +105,14 @@ def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: A
     return ScanInputs(xp=xp, x=cast(x), dt=cast(delta(dt, dt_bias, dt_softplus, dt_limit, xp=xp)),
                       A=cast(A), B=cast(B), C=cast(C), D=cast(D), z=cast(z), states=states,
                       out_dtype=x.dtype, seq_idx=None if seq_idx is None else sequence_runs(seq_idx, xp=xp))
+
+
+def _check_projection_dtype(name: str, value: Array, x: Array, cdtype: Any) -> None:
+    """TypeError unless B or C has x's dtype or the compute dtype (float32 beside half x)."""
+    if value.dtype not in (x.dtype, cdtype):
+        allowed = dtype_name(x.dtype) if cdtype == x.dtype else f"{dtype_name(x.dtype)} or {dtype_name(cdtype)}"
+        raise TypeError(f"{name} is {dtype_name(value.dtype)} but x is {dtype_name(x.dtype)}; expected {allowed} "
+                        f"(cast explicitly with xp.astype: mixed float dtypes are not promoted silently)")
 
 
 def check_seq_idx(seq_idx: Array, shapes: Shapes, ref_name: str, ref: Array, *, xp: Namespace) -> None:

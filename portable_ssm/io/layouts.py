@@ -51,15 +51,13 @@ def _state_spaces_fields(raw: dict[str, Any]) -> dict[str, Any]:
     checks = [("ssm_cfg.layer", ssm.get("layer", "Mamba1"), "Mamba2"),  # mamba_ssm defaults to Mamba1
               ("d_intermediate", raw.get("d_intermediate", 0), 0),  # MLP blocks
               ("attn_layer_idx", raw.get("attn_layer_idx") or [], []),  # attention layers
-              ("rms_norm", raw.get("rms_norm", True), True),  # LayerNorm blocks
-              ("ssm_cfg.rmsnorm", ssm.get("rmsnorm", True), True),
-              ("ssm_cfg.norm_before_gate", ssm.get("norm_before_gate", False), False),
-              ("ssm_cfg.d_ssm", ssm.get("d_ssm"), None)]  # an SSM on part of d_inner
+              ("rms_norm", raw.get("rms_norm", True), True)]  # LayerNorm blocks
     for key, value, supported in checks:
         if value != supported:
             raise CheckpointError(f"{key}: portable_ssm supports only {supported!r}, got {value!r}")
     keys = ("d_state", "d_conv", "expand", "headdim", "ngroups", "chunk_size", "dt_min", "dt_max",
-            "dt_init_floor", "dt_limit", "A_init_range", "bias", "conv_bias")
+            "dt_init_floor", "dt_limit", "A_init_range", "bias", "conv_bias", "d_ssm", "rmsnorm",
+            "norm_before_gate", "D_has_hdim")
     fields = {k: ssm[k] for k in keys if k in ssm}  # absent keys: Mamba2Config's defaults are mamba_ssm's
     for key in ("dt_limit", "A_init_range"):
         if key in fields:
@@ -88,12 +86,26 @@ def config_fields(raw_config: dict[str, Any], where: str) -> dict[str, Any]:
         raise CheckpointError(f"{where}: config.json: {err}") from None
 
 
+def _D_per_channel(tensors: Tensors, config: Mamba2Config) -> Tensors:
+    """Every layer's D as ``[h, p]``: mamba_ssm stores ``D_has_hdim``'s D flat, ``[h·p]``, and
+    rearranges it ``(h p) -> h p`` in forward; a D of another size is left for the shape check."""
+    h, p = config.nheads, config.headdim
+    out = dict(tensors)
+    for i in range(config.n_layer):
+        key = f"layers.{i}.mixer.D"
+        if key in out and tuple(out[key][0].shape) == (h * p,):
+            value, stored = out[key]
+            out[key] = (value.reshape(h, p), stored)  # [h·p] -> [h, p]
+    return out
+
+
 def sanitize(fields: dict[str, Any], tensors: Tensors, where: str) -> tuple[Mamba2Config, Tensors, int]:
     """The one place checkpoint quirks are fixed: ``(config, tensors in core names, real vocab size)``
     from :func:`config_fields` and the checkpoint's tensors.
 
     Strips ``backbone.``; reads both embedding names; drops ``lm_head.weight`` when tied; takes
-    ``D``'s shape from the file; keeps the embedding's row count (vocab padded or not) as the
+    ``D_has_hdim`` from ``ssm_cfg`` (else from D's shape) and reads D flat ``[h·p]`` (mamba_ssm)
+    or ``[h, p]`` alike; keeps the embedding's row count (vocab padded or not) as the
     logits' width. Errors name ``where`` and the tensor as the checkpoint spells it.
     """
     fields = dict(fields)
@@ -114,8 +126,9 @@ def sanitize(fields: dict[str, Any], tensors: Tensors, where: str) -> tuple[Mamb
                               f"{origin['embedding.weight']!r}")
     if -(-vocab // multiple) * multiple != rows:  # the rows are the padded vocabulary
         fields["vocab_size"], multiple = rows, 1
-    D = renamed.get("layers.0.mixer.D")
-    fields["D_has_hdim"] = D is not None and D[0].ndim == 2
+    if "D_has_hdim" not in fields:  # transformers' layout: D's shape says it
+        D = renamed.get("layers.0.mixer.D")
+        fields["D_has_hdim"] = D is not None and D[0].ndim == 2
     if fields["tie_embeddings"]:
         renamed.pop("lm_head.weight", None)
     try:
@@ -123,6 +136,8 @@ def sanitize(fields: dict[str, Any], tensors: Tensors, where: str) -> tuple[Mamb
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"{where}: config.json: {err}") from None
     expected = param_shapes(config)
+    if config.D_has_hdim:
+        renamed = _D_per_channel(renamed, config)
     for key, shape in expected.items():
         if key not in renamed:
             spelled = key if key == "lm_head.weight" else f"backbone.{key}"
