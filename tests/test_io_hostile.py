@@ -5,6 +5,7 @@ and bf16/fp16 are stored as BF16/F16, bit-exact."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -318,7 +319,7 @@ def test_disk_full_is_an_os_error_naming_the_target_and_leaves_the_old_file(tmp_
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"OSError 27 [Errno 27] cannot write {path}: File too large"
+    assert done.stdout.strip() == f"OSError {errno.EFBIG} [Errno {errno.EFBIG}] cannot write {path}: File too large"
     assert np.array_equal(load_arrays(path)[0]["w"], np.ones(10)) and _leftovers(tmp_path) == []
 
 
@@ -378,6 +379,9 @@ def test_half_precision_is_stored_in_its_own_dtype_and_reads_back_bit_exact_ever
         assert torch.equal(got.view(torch.int16), tensors["numbers"].contiguous().view(torch.int16))
     save_arrays(tmp_path / "nans.safetensors", {"nans": nans})
     assert load_arrays(tmp_path / "nans.safetensors", backend="torch")[0]["nans"].isnan().all()
+    if dtype == "bfloat16":  # widening bf16 is exact for NaNs too, so the file keeps every payload
+        stored = safetensors_torch.load_file(str(tmp_path / "nans.safetensors"))["nans"]
+        assert torch.equal(stored.view(torch.int16), nans.view(torch.int16))
 
 
 def test_bfloat16_bits_round_to_nearest_even_exactly_as_torch_does():
@@ -454,3 +458,10 @@ def test_integer_weights_are_refused_by_load_params(tmp_path):
         load_params(tmp_path / "ints.safetensors")
     with pytest.raises(CheckpointError, match=r"tensor 'norm_f.weight' has dtype int8"):
         ps.load_pretrained(tmp_path / "ints.safetensors")
+
+
+def test_a_dtype_argument_that_is_no_float_is_a_value_error(tmp_path):
+    save_params(tmp_path / "m.safetensors", ps.init_params(CONFIG, seed=0), CONFIG)
+    for load in (load_params, load_arrays):
+        with pytest.raises(ValueError, match=r"dtype: expected None or one of float64, .*, got 'float8'"):
+            load(tmp_path / "m.safetensors", dtype="float8")

@@ -62,7 +62,14 @@ def load_arrays(path: str | os.PathLike, *, backend: str = "numpy", dtype: str |
     bfloat16). Raises :class:`CheckpointError` naming the file and the
     tensor when it is truncated or corrupt."""
     path = os.fspath(path)
+    _check_dtype(dtype)
     return _on_backend(path, _read(path), backend, dtype, device)
+
+
+def _check_dtype(dtype: str | None) -> None:
+    """ValueError unless ``dtype`` is None or a floating dtype name."""
+    if dtype is not None and dtype not in _FLOATS:
+        raise ValueError(f"dtype: expected None or one of {', '.join(_FLOATS)}, got {dtype!r}")
 
 
 def _read(path: str) -> Contents:
@@ -77,7 +84,7 @@ def _on_backend(path: str, contents: Contents, backend: str, dtype: str | None,
     """``contents`` on ``backend``: each array in its stored dtype (or its floating ones cast to
     ``dtype``), and the metadata less the ``dtypes`` entry."""
     meta = contents.metadata
-    stored = {**contents.dtypes, **_legacy_dtypes(path, meta, contents.arrays)}
+    stored = {**contents.dtypes, **_legacy_dtypes(path, meta, contents.dtypes)}
     keep_bf16 = _has_bfloat16(backend)
     out = {}
     for key, value in contents.arrays.items():
@@ -90,7 +97,7 @@ def _on_backend(path: str, contents: Contents, backend: str, dtype: str | None,
     return out, {k: v for k, v in meta.items() if k != "dtypes"}
 
 
-def _legacy_dtypes(path: str, metadata: dict[str, str], arrays: dict[str, Any]) -> dict[str, str]:
+def _legacy_dtypes(path: str, metadata: dict[str, str], stored: dict[str, str]) -> dict[str, str]:
     """The ``dtypes`` entry of files from older versions (bf16/fp16 tensors stored as F32): a JSON
     map from tensors of the file to ``"bfloat16"`` or ``"float16"``; CheckpointError naming the key."""
     if "dtypes" not in metadata:
@@ -100,7 +107,7 @@ def _legacy_dtypes(path: str, metadata: dict[str, str], arrays: dict[str, Any]) 
         raise CheckpointError(f"{path}: the 'dtypes' metadata is {type(narrowed).__name__}, expected a map "
                               f"from tensor names to dtype names")
     for key, name in narrowed.items():
-        if key not in arrays or getattr(arrays[key], "dtype", None) is None or arrays[key].dtype.name != "float32":
+        if stored.get(key) != "float32":
             raise CheckpointError(f"{path}: the 'dtypes' metadata names {SHORT.repr(key)}, which is no "
                                   f"float32 tensor of the file")
         if name not in _NARROW:
@@ -141,6 +148,7 @@ def load_params(path: str | os.PathLike, *, backend: str = "numpy", dtype: str |
     ``dtype`` and moved to ``device``). Raises :class:`CheckpointError` naming the file and the
     tensor for truncated, corrupt or mismatched files."""
     path = os.fspath(path)
+    _check_dtype(dtype)
     contents = _read(path)
     config = _config(path, contents.metadata)
     expected = param_shapes(config)
