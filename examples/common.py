@@ -7,10 +7,13 @@ averages the gradients, so the parameters equal a single process's up to roundin
 NCCL on GPU). Batches depend on the step alone, so ``--resume`` continues exactly where the last
 checkpoint left off.
 
-Checkpoints in ``--out`` (never pickle): ``model.safetensors`` holds the Mamba-2 parameters in core
-names with the config (``portable_ssm.save_params``); ``trainer.safetensors`` holds the
-rest of the model (``param/<name>``), the optimizer state (``optim/<name>/<key>``) and, as metadata,
-the step and the metric history. ``curves.png`` is drawn next to them.
+Checkpoints in ``--out`` (never pickle): ``trainer.safetensors`` is the one file ``--resume`` reads:
+the Mamba-2 parameters (``model/<name>``), the rest of the model (``param/<name>``), the optimizer
+state (``optim/<name>/<key>``) and, as metadata, the config, the step and the metric history, all
+written in one atomic save, so a crash at any moment leaves the previous checkpoint or the new
+one, never a mix. ``model.safetensors`` is the export of the same step (core names with the
+config, ``portable_ssm.save_params``; what ``load_pretrained`` reads), written after it and
+rewritten on ``--resume`` when a crash left it behind. ``curves.png`` is drawn next to them.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from portable_ssm.backends.torch import (
 from torch import nn
 from tqdm import tqdm
 
-from portable_ssm.io import load_arrays, load_params, save_arrays, save_params
+from portable_ssm import Mamba2Config
+from portable_ssm.io import CheckpointError, load_arrays, save_arrays, save_params
+from portable_ssm.io.safetensors import read_header
 
 MODEL_FILE, TRAINER_FILE, PLOT_FILE = "model.safetensors", "trainer.safetensors", "curves.png"
 
@@ -155,43 +160,76 @@ def _extras(task: Task) -> dict[str, nn.Parameter]:
 
 
 def save_checkpoint(out: Path, task: Task, optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Writes model.safetensors, trainer.safetensors and curves.png into ``out``."""
+    """Writes trainer.safetensors (everything ``--resume`` needs, in one atomic save), then the
+    model.safetensors export of the same step and curves.png into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    save_params(out / MODEL_FILE, task.core.params(), task.core.config, metadata={"step": str(step)})
     tensors, meta = optimizer_state(optimizer, task.model)
-    arrays = {**{f"param/{n}": p for n, p in _extras(task).items()},
+    arrays = {**{f"model/{n}": p for n, p in task.core.params().items()},
+              **{f"param/{n}": p for n, p in _extras(task).items()},
               **{f"optim/{k}": v for k, v in tensors.items()}}
-    save_arrays(out / TRAINER_FILE, arrays, metadata={**meta, "step": str(step),
-                                                      "history": json.dumps(task.history)})
+    save_arrays(out / TRAINER_FILE, arrays, metadata={
+        **meta, "step": str(step), "config": json.dumps(task.core.config.to_dict()),
+        "history": json.dumps(task.history)})
+    export_model(out, task, step)
     plot(out / PLOT_FILE, task.history, title=task.name)
 
 
+def export_model(out: Path, task: Task, step: int) -> None:
+    """Writes the core parameters of ``step`` as model.safetensors (``portable_ssm.save_params``)."""
+    save_params(out / MODEL_FILE, task.core.params(), task.core.config, metadata={"step": str(step)})
+
+
+def exported_step(out: Path) -> str | None:
+    """The step model.safetensors in ``out`` was exported at; None when it is missing or unreadable."""
+    try:
+        return (read_header(out / MODEL_FILE)[0].get("__metadata__") or {}).get("step")
+    except (CheckpointError, OSError):
+        return None
+
+
+def _metadata(path: Path, meta: dict[str, str], key: str) -> Any:
+    """The JSON metadata entry ``key`` of the trainer file; CheckpointError naming both otherwise."""
+    if key not in meta:
+        raise CheckpointError(f"{path}: no {key!r} metadata (not a checkpoint of these examples, or of an "
+                              f"older version)")
+    try:
+        return json.loads(meta[key])
+    except ValueError as err:
+        raise CheckpointError(f"{path}: the {key!r} metadata is corrupt ({err})") from None
+
+
 def load_checkpoint(out: Path, task: Task, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
-    """Restores what :func:`save_checkpoint` wrote; returns the step to continue from."""
-    if not (out / MODEL_FILE).exists():
-        raise SystemExit(f"--resume: no checkpoint in {out} (expected {out / MODEL_FILE})")
-    params, config, meta = load_params(out / MODEL_FILE, backend="torch", device=device, return_metadata=True)
+    """Restores what :func:`save_checkpoint` wrote (trainer.safetensors alone); returns the step to
+    continue from."""
+    path = out / TRAINER_FILE
+    if not path.exists():
+        raise SystemExit(f"--resume: no checkpoint in {out} (expected {path})")
+    arrays, meta = load_arrays(path, backend="torch", device=device)
+    step = _metadata(path, meta, "step")
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{path}: the 'step' metadata is {meta['step']!r}, expected a non-negative integer")
+    try:
+        config = Mamba2Config.from_dict(_metadata(path, meta, "config"))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: the 'config' metadata is corrupt ({err})") from None
     if config != task.core.config:
         diff = [k for k, v in config.to_dict().items() if task.core.config.to_dict()[k] != v]
         raise SystemExit(f"--resume: the checkpoint's model differs from these flags in {', '.join(diff)}")
+    targets = {f"model/{n}": p for n, p in task.core.named_parameters()}
+    targets.update({f"param/{n}": p for n, p in _extras(task).items()})
+    missing = sorted(set(targets) - set(arrays))
+    if missing:
+        raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing")
     with torch.no_grad():
-        for name, value in params.items():
-            task.core.get_parameter(name).copy_(value)
-    arrays, trainer_meta = load_arrays(out / TRAINER_FILE, backend="torch", device=device)
-    extras = _extras(task)
-    with torch.no_grad():
-        for key, value in arrays.items():
-            name = key[len("param/"):]
-            if not key.startswith("param/"):
-                continue
-            if name not in extras or extras[name].shape != value.shape:
-                raise SystemExit(f"--resume: tensor {key!r} {tuple(value.shape)} of {out / TRAINER_FILE} "
+        for key, target in sorted(targets.items()):
+            if target.shape != arrays[key].shape:
+                raise SystemExit(f"--resume: tensor {key!r} {tuple(arrays[key].shape)} of {path} "
                                  f"does not fit this model (different flags?)")
-            extras[name].copy_(value)
+            target.copy_(arrays[key])
     optim = {k[len("optim/"):]: v for k, v in arrays.items() if k.startswith("optim/")}
-    load_optimizer_state(optimizer, task.model, optim, trainer_meta)
-    task.history = json.loads(trainer_meta["history"])
-    return int(meta["step"])
+    load_optimizer_state(optimizer, task.model, optim, meta)
+    task.history = _metadata(path, meta, "history")
+    return step
 
 
 def plot(path: Path, history: dict[str, list[list[float]]], *, title: str) -> None:
@@ -231,6 +269,8 @@ def train(task: Task, args: argparse.Namespace, dist: Dist, out: Path) -> dict[s
     task.model.to(dist.device)
     optimizer = torch.optim.AdamW(param_groups(task.model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
     start = load_checkpoint(out, task, optimizer, dist.device) if args.resume else 0
+    if args.resume and dist.is_main and exported_step(out) != str(start):  # a crash cut the last save short
+        export_model(out, task, start)
     net = task.model
     if dist.world > 1:
         net = nn.parallel.DistributedDataParallel(task.model, device_ids=None if dist.device.type == "cpu"

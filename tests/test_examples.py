@@ -4,6 +4,7 @@ the LTI baseline's frozen rows, reading users' files, and the time series beatin
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import train_selective_copy  # noqa: E402
 import train_timeseries  # noqa: E402
 
-from portable_ssm.io import load_arrays, load_params  # noqa: E402
+from portable_ssm.io import CheckpointError, load_arrays, load_params, save_arrays  # noqa: E402
 
 TINY = ["--d-model", "16", "--n-layer", "1", "--d-state", "8", "--headdim", "8", "--batch-size", "4",
         "--eval-every", "2", "--ckpt-every", "2"]
@@ -76,6 +77,58 @@ def test_resume_continues_exactly_where_an_interrupted_run_stopped(tmp_path, mon
     for key, value in want.items():
         assert np.array_equal(got[key], value), key
     assert not np.array_equal(halfway["layers.0.mixer.in_proj.weight"], got["layers.0.mixer.in_proj.weight"])
+
+
+class _Crash(BaseException):
+    """The process dying at one instant (not an Exception: nothing may catch it)."""
+
+
+def test_a_crash_at_any_file_replacement_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, capsys):
+    """Steps 4 with checkpoints at 2 and 4 publish four files: trainer@2, model@2, trainer@4, model@4.
+    Dying instead of publishing any one of them, then resuming, ends in the files of a run that never
+    crashed (or, before the first, finds no checkpoint); no temporary file is left behind."""
+    argv = [*TINY_SERIES, "--steps", "4"]
+    run(train_timeseries, [*argv, "--out", str(tmp_path / "whole")], monkeypatch, capsys)
+    want = files_of(tmp_path / "whole")
+    replace = os.replace
+    for crash_at in (1, 2, 3, 4):
+        out, calls = tmp_path / f"crash{crash_at}", []
+
+        def dying_replace(src, dst, crash_at=crash_at, calls=calls):
+            calls.append(dst)
+            if len(calls) == crash_at:
+                raise _Crash
+            replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", dying_replace)
+        with pytest.raises(_Crash):
+            run(train_timeseries, [*argv, "--out", str(out)], monkeypatch, capsys)
+        monkeypatch.setattr(os, "replace", replace)
+        assert [Path(p).name for p in calls][-1] == ["trainer", "model"][(crash_at - 1) % 2] + ".safetensors"
+        assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+        if crash_at == 1:
+            with pytest.raises(SystemExit, match="no checkpoint"):
+                run(train_timeseries, [*argv, "--resume", "--out", str(out)], monkeypatch, capsys)
+            continue
+        run(train_timeseries, [*argv, "--resume", "--out", str(out)], monkeypatch, capsys)
+        got = files_of(out)
+        assert set(got) == set(want), crash_at
+        for key, value in want.items():
+            assert np.array_equal(got[key], value), (crash_at, key)
+
+
+def test_resume_refuses_a_trainer_file_without_the_model_with_a_clear_error(tmp_path, monkeypatch, capsys):
+    run(train_timeseries, [*TINY_SERIES, "--steps", "2", "--out", str(tmp_path)], monkeypatch, capsys)
+    arrays, meta = load_arrays(tmp_path / "trainer.safetensors")
+    old = {k: v for k, v in arrays.items() if not k.startswith("model/")}  # the layout of older versions
+    save_arrays(tmp_path / "trainer.safetensors", old, metadata={k: v for k, v in meta.items() if k != "config"})
+    with pytest.raises(CheckpointError, match=r"trainer.safetensors: no 'config' metadata"):
+        run(train_timeseries, [*TINY_SERIES, "--steps", "4", "--resume", "--out", str(tmp_path)], monkeypatch,
+            capsys)
+    save_arrays(tmp_path / "trainer.safetensors", old, metadata=meta)
+    with pytest.raises(CheckpointError, match=r"trainer.safetensors: tensor 'model/.*' is missing"):
+        run(train_timeseries, [*TINY_SERIES, "--steps", "4", "--resume", "--out", str(tmp_path)], monkeypatch,
+            capsys)
 
 
 def test_resume_refuses_a_missing_or_different_checkpoint(tmp_path, monkeypatch, capsys):

@@ -4,13 +4,14 @@
 them back on any backend, numpy-only machines included, bit-exact. ``save_arrays``/``load_arrays``
 do the same for any named arrays (optimizer state, task heads), without a config.
 
-NumPy has no bfloat16, so bf16/fp16 arrays are stored widened to float32 (exact) and the
-``dtypes`` metadata entry narrows them again on load unless ``dtype=`` says otherwise.
+bfloat16 and float16 arrays are stored as BF16 and F16 and come back in their dtype (on numpy,
+which has no bfloat16, BF16 comes back widened to float32 exactly). Files of older versions, which
+stored them as F32 with a ``dtypes`` metadata entry, still load.
 
 Files are read and written by :mod:`portable_ssm.io.safetensors` with NumPy alone (the
-``safetensors`` package is not needed): the header is checked against the file size before any
-data is read, so a truncated or corrupt file raises :class:`CheckpointError` naming the file and
-the first tensor that is cut or malformed.
+``safetensors`` package is not needed): every file is validated before any tensor is read, and
+every save is atomic and durable. Failures are :class:`CheckpointError` naming the file and the
+tensor or key.
 """
 
 from __future__ import annotations
@@ -24,44 +25,51 @@ from ..backends import load, to_backend
 from ..config import Mamba2Config
 from ..params import Params, check_params, param_shapes
 from .errors import CheckpointError
+from .strict_json import SHORT, loads
 
 if TYPE_CHECKING:
     from .safetensors import Contents
 
 FORMAT = "portable_ssm.v1"
 _RESERVED = ("format", "config", "dtype", "dtypes")
+_FLOATS = ("float64", "float32", "float16", "bfloat16")
+_NARROW = ("bfloat16", "float16")
 
 
 def save_arrays(path: str | os.PathLike, arrays: dict[str, Array], *,
                 metadata: dict[str, str] | None = None) -> None:
-    """Writes named arrays (any backend; floating, integer or bool) to a safetensors file.
+    """Writes named arrays (any backend; floating, integer or bool) to a safetensors file, each in
+    its own dtype (bfloat16 as BF16, float16 as F16). ``metadata`` values must be strings.
 
-    The file is written next to ``path`` and renamed over it, so a crash never leaves half a file
-    under the final name. ``metadata`` values must be strings.
+    The file is written to a fresh temporary file beside ``path``, fsynced and renamed over it:
+    readers (and a crash at any moment) see the old file or the new one, never a mix, also when
+    several processes save to ``path`` at once. OSError naming ``path`` when it cannot be written.
     """
     from .safetensors import write_safetensors
 
-    host, narrowed = {}, {}
+    host, narrow = {}, {}
     for key, value in arrays.items():
         host[key] = load(array_backend(value)).to_numpy(value)
         if dtype_name(value.dtype) != host[key].dtype.name:
-            narrowed[key] = dtype_name(value.dtype)
-    meta = dict(metadata or {})
-    if narrowed:
-        meta["dtypes"] = json.dumps(narrowed)
-    tmp = f"{os.fspath(path)}.tmp"
-    write_safetensors(tmp, host, meta)
-    os.replace(tmp, path)
+            narrow[key] = dtype_name(value.dtype)
+    write_safetensors(path, host, dict(metadata or {}), narrow=narrow)
 
 
 def load_arrays(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
                 device: Any = None) -> tuple[dict[str, Array], dict[str, str]]:
-    """Reads a safetensors file: ``(arrays on backend, metadata)``. Arrays come back in the dtype
-    they were saved from (``dtype=`` casts every floating one instead; BF16 tensors of files not
-    written here come back float32). Raises :class:`CheckpointError` naming the file and the
+    """Reads a safetensors file: ``(arrays on backend, metadata)``. Arrays come back in their stored
+    dtype (``dtype=`` casts every floating one instead; BF16 comes back float32 on backends without
+    bfloat16). Raises :class:`CheckpointError` naming the file and the
     tensor when it is truncated or corrupt."""
     path = os.fspath(path)
+    _check_dtype(dtype)
     return _on_backend(path, _read(path), backend, dtype, device)
+
+
+def _check_dtype(dtype: str | None) -> None:
+    """ValueError unless ``dtype`` is None or a floating dtype name."""
+    if dtype is not None and dtype not in _FLOATS:
+        raise ValueError(f"dtype: expected None or one of {', '.join(_FLOATS)}, got {dtype!r}")
 
 
 def _read(path: str) -> Contents:
@@ -73,18 +81,48 @@ def _read(path: str) -> Contents:
 
 def _on_backend(path: str, contents: Contents, backend: str, dtype: str | None,
                 device: Any) -> tuple[dict[str, Array], dict[str, str]]:
-    """``contents`` on ``backend``: each array narrowed back to the dtype it was saved from (or its
-    floating ones cast to ``dtype``), and the metadata less the ``dtypes`` entry."""
+    """``contents`` on ``backend``: each array in its stored dtype (or its floating ones cast to
+    ``dtype``), and the metadata less the ``dtypes`` entry."""
     meta = contents.metadata
-    try:
-        narrowed = json.loads(meta.get("dtypes", "{}"))
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: the 'dtypes' metadata is corrupt ({err})") from err
+    stored = {**contents.dtypes, **_legacy_dtypes(path, meta, contents.dtypes)}
+    keep_bf16 = _has_bfloat16(backend)
     out = {}
     for key, value in contents.arrays.items():
-        want = dtype if dtype is not None and value.dtype.kind == "f" else narrowed.get(key)
+        want = stored[key] if stored[key] != value.dtype.name else None
+        if dtype is not None and value.dtype.kind == "f":
+            want = dtype
+        elif want == "bfloat16" and not keep_bf16:
+            want = None
         out[key] = to_backend(value, backend, device=device, dtype=want)
     return out, {k: v for k, v in meta.items() if k != "dtypes"}
+
+
+def _legacy_dtypes(path: str, metadata: dict[str, str], stored: dict[str, str]) -> dict[str, str]:
+    """The ``dtypes`` entry of files from older versions (bf16/fp16 tensors stored as F32): a JSON
+    map from tensors of the file to ``"bfloat16"`` or ``"float16"``; CheckpointError naming the key."""
+    if "dtypes" not in metadata:
+        return {}
+    narrowed = loads(metadata["dtypes"], f"{path}: the 'dtypes' metadata")
+    if not isinstance(narrowed, dict):
+        raise CheckpointError(f"{path}: the 'dtypes' metadata is {type(narrowed).__name__}, expected a map "
+                              f"from tensor names to dtype names")
+    for key, name in narrowed.items():
+        if stored.get(key) != "float32":
+            raise CheckpointError(f"{path}: the 'dtypes' metadata names {SHORT.repr(key)}, which is no "
+                                  f"float32 tensor of the file")
+        if name not in _NARROW:
+            raise CheckpointError(f"{path}: the 'dtypes' metadata gives tensor {SHORT.repr(key)} the dtype "
+                                  f"{SHORT.repr(name)}, expected one of {', '.join(_NARROW)}")
+    return narrowed
+
+
+def _has_bfloat16(backend: str) -> bool:
+    """Whether ``backend`` has a bfloat16 dtype (numpy and array-api-strict have none)."""
+    try:
+        load(backend).dtype("bfloat16")
+    except (TypeError, AttributeError):
+        return False
+    return True
 
 
 def save_params(path: str | os.PathLike, params: Params, config: Mamba2Config, *,
@@ -110,10 +148,15 @@ def load_params(path: str | os.PathLike, *, backend: str = "numpy", dtype: str |
     ``dtype`` and moved to ``device``). Raises :class:`CheckpointError` naming the file and the
     tensor for truncated, corrupt or mismatched files."""
     path = os.fspath(path)
+    _check_dtype(dtype)
     contents = _read(path)
     config = _config(path, contents.metadata)
     expected = param_shapes(config)
     _check_shapes(path, contents.arrays, expected)
+    for key, stored in contents.dtypes.items():
+        if stored not in _FLOATS:
+            raise CheckpointError(f"{path}: tensor {key!r} has dtype {stored}; parameters are floating "
+                                  f"({', '.join(_FLOATS)})")
     arrays, meta = _on_backend(path, contents, backend, dtype, device)
     params = {k: arrays[k] for k in expected}
     if return_metadata:
@@ -126,10 +169,13 @@ def _config(path: str, metadata: dict[str, str]) -> Mamba2Config:
     if "config" not in metadata:
         raise CheckpointError(f"{path}: no portable_ssm config in the metadata (not written by "
                               f"save_params; for pretrained directories use load_pretrained)")
+    fields = loads(metadata["config"], f"{path}: the config in the metadata")
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{path}: the config in the metadata is {type(fields).__name__}, expected an object")
     try:
-        return Mamba2Config.from_dict(json.loads(metadata["config"]))
-    except (json.JSONDecodeError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{path}: the config in the metadata is corrupt ({err})") from err
+        return Mamba2Config.from_dict(fields)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise CheckpointError(f"{path}: the config in the metadata is corrupt ({err})") from None
 
 
 def _check_shapes(path: str, arrays: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
