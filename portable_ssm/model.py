@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from ._array import Array, Namespace, array_backend, compute_dtype, device, dtype_name, namespace
-from ._checks import Shapes, check_floating, check_positive_int, check_same_device, check_same_dtype
+from ._checks import Shapes, check_floating, check_same_device, check_same_dtype
 from .backends import to_backend
 from .config import Mamba2Config, default_config
 from .mixer import mixer, mixer_step
@@ -36,7 +36,8 @@ def empty_state(config: Mamba2Config, batch: int, like: Array) -> Mamba2State:
     """Zero state for ``batch`` sequences, on ``like``'s backend and device, for x of ``like``'s dtype."""
     if not isinstance(config, Mamba2Config):
         raise TypeError(f"config: expected a Mamba2Config, got {type(config).__name__}")
-    check_positive_int("batch", batch)
+    if isinstance(batch, bool) or not hasattr(batch, "__index__") or batch <= 0:  # a traced size passes
+        raise ValueError(f"batch: expected a positive int, got {batch!r}")
     xp = namespace(like=like)
     check_floating("like", like, xp=xp)
     c = config
