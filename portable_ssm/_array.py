@@ -72,8 +72,10 @@ def device(x: Array) -> Any:
 
 
 def same_device(x: Array, y: Array) -> bool:
-    """Whether two arrays live on the same device."""
-    return str(device(x)) == str(device(y))
+    """Whether two arrays live on the same device; true when either has no concrete device (a JAX
+    tracer under ``jax.grad``/``jax.vmap`` is placed only when the transform runs)."""
+    dx, dy = device(x), device(y)
+    return dx is None or dy is None or str(dx) == str(dy)
 
 
 def dtype_name(dtype: Any) -> str:

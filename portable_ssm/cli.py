@@ -1,39 +1,77 @@
 """``portable-ssm``: generate from a pretrained model, inspect or convert checkpoints, run benchmarks.
 
     portable-ssm generate --model DIR --prompt "Mamba is" [--max-new-tokens 32 --temperature 0.8 ...]
+    portable-ssm generate --model DIR --ids --prompt "1 2 3"      (token ids in and out, no tokenizer)
     portable-ssm info DIR
-    portable-ssm convert SRC DST [--dtype float64]
+    portable-ssm convert SRC DST.safetensors [--dtype float64]
     portable-ssm bench [ARGS ...]          (forwarded to portable_ssm.bench.main)
+    portable-ssm --version
 
 ``generate`` encodes the prompt with ``tokenizer.json`` next to the model (the ``tokenizers``
-package) when there is one, and reads it as integer ids ("1 2 3") otherwise; it streams the
-text to stdout as tokens come and a timing line to stderr. On the default numpy backend with a
-safetensors checkpoint it imports neither torch nor transformers.
+package) when there is one and ``--ids`` is not given, and reads it as integer ids ("1 2 3")
+otherwise; it streams the text to stdout as tokens come and a timing line to stderr. On the
+default numpy backend with a safetensors checkpoint it imports neither torch nor transformers.
+
+Every command reports a bad input (CheckpointError, ValueError, TypeError, ImportError, OSError)
+as one ``portable-ssm COMMAND: error: ...`` line on stderr, with the install command when a
+package is missing, and exits with status 2 (as argparse does for a bad option).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
+from . import __version__
 from .backends import NAMES
-from .io import load_pretrained
+from .io import CheckpointError, load_pretrained
 from .language_model import Mamba2LM
+
+#: Parameter dtypes ``--dtype`` accepts (bfloat16 and float16 need a backend that has them).
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: Exit status of every reported error, as argparse uses for a bad option.
+ERROR_STATUS = 2
+#: Tokenizer files ``convert`` copies next to the file it writes.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+#: What to install for a missing module.
+INSTALL = {"tokenizers": "pip install 'portable-ssm[cli]'", "torch": "pip install 'portable-ssm[torch]'",
+           "jax": "pip install 'portable-ssm[jax]'", "jaxlib": "pip install 'portable-ssm[jax]'",
+           "cupy": "pip install 'portable-ssm[cupy]'", "array_api_strict": "pip install array-api-strict",
+           "tqdm": "pip install tqdm", "matplotlib": "pip install matplotlib",
+           "transformers": "pip install transformers"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are the command line's one ``error:`` line, status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(ERROR_STATUS, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _folder(path: str) -> str:
+    """The directory a checkpoint path names: itself, or the folder holding the file."""
+    return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
 
 
 def _tokenizer(model: str) -> Any:
-    """The ``tokenizers.Tokenizer`` in the model's directory, or None."""
-    folder = model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model))
-    path = os.path.join(folder, "tokenizer.json")
+    """The ``tokenizers.Tokenizer`` in the model's directory, or None when there is no tokenizer.json."""
+    path = os.path.join(_folder(model), "tokenizer.json")
     if not os.path.isfile(path):
         return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(path)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as err:
+        raise ImportError(f"{path} needs the tokenizers package: {INSTALL['tokenizers']} (or pass --ids "
+                          f"with integer token ids)", name="tokenizers") from err
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{path}: not a readable tokenizer.json ({err})") from None
 
 
 def _encode(prompt: str, tokenizer: Any) -> list[int]:
@@ -42,8 +80,8 @@ def _encode(prompt: str, tokenizer: Any) -> list[int]:
     try:
         ids = [int(v) for v in prompt.split()]
     except ValueError:
-        raise ValueError(f"--prompt: without tokenizer.json next to the model the prompt must be integer ids "
-                         f"such as '1 2 3', got {prompt!r}") from None
+        raise ValueError(f"--prompt: without a tokenizer (--ids, or no tokenizer.json next to the model) the "
+                         f"prompt must be integer ids such as '1 2 3', got {prompt!r}") from None
     if not ids:
         raise ValueError("--prompt: expected at least one token")
     return ids
@@ -62,10 +100,39 @@ def _write_new(out: TextIO, text: str, shown: str, final: bool = False) -> str:
     return text
 
 
+def _check_device(backend: str, device: str | None) -> None:
+    """ValueError for a ``--device`` the backend cannot place arrays on (e.g. cuda on a CPU-only torch)."""
+    if device is None:
+        return
+    if backend == "torch":
+        import torch
+
+        try:
+            kind = torch.device(device).type
+        except RuntimeError as err:
+            raise ValueError(f"--device {device!r}: not a torch device ({err})") from None
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: this torch has no CUDA device (torch.cuda.is_available() is "
+                             f"False); use --device cpu or a CUDA build of torch")
+    elif backend == "jax":
+        import jax
+
+        platform = device.partition(":")[0]
+        try:
+            jax.devices(platform)
+        except RuntimeError as err:
+            raise ValueError(f"--device {device}: jax has no {platform!r} device ({err})") from None
+
+
+def _load(args: argparse.Namespace, path: str) -> Mamba2LM:
+    _check_device(args.backend, getattr(args, "device", None))
+    return load_pretrained(path, backend=args.backend, dtype=args.dtype, device=getattr(args, "device", None))
+
+
 def _generate(args: argparse.Namespace, out: TextIO) -> int:
-    lm = load_pretrained(args.model, backend=args.backend, dtype=args.dtype, device=args.device)
-    tokenizer = _tokenizer(args.model)
+    tokenizer = None if args.ids else _tokenizer(args.model)
     decode, ids = _decoder(tokenizer), _encode(args.prompt, tokenizer)
+    lm = _load(args, args.model)
     prompt_length = len(ids)
     eos = lm.eos_token_id if args.eos_token_id is None else args.eos_token_id
     start = time.perf_counter()
@@ -99,11 +166,29 @@ def _info(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _convert(args: argparse.Namespace, out: TextIO) -> int:
-    lm = load_pretrained(args.src, backend=args.backend, dtype=args.dtype)
-    lm.save(args.dst)
-    out.write(f"wrote {args.dst}: {lm.num_parameters:,} parameters, {lm.dtype}, "
-              f"from a {lm.layout} checkpoint\n")
+    if not args.dst.endswith(".safetensors"):
+        raise ValueError(f"DST: expected a .safetensors file name (convert writes safetensors only, never "
+                         f"pickle), got {args.dst!r}")
+    lm = _load(args, args.src)
+    try:
+        lm.save(args.dst)
+    except OSError as err:  # the saver writes a temporary file beside DST: name the user's path
+        raise OSError(err.errno, err.strerror or str(err), args.dst) from err
+    copied = _copy_tokenizer(_folder(args.src), os.path.dirname(os.path.abspath(args.dst)))
+    out.write(f"wrote {args.dst}: {lm.num_parameters:,} parameters, {lm.dtype}, from a {lm.layout} checkpoint"
+              + (f"; copied {', '.join(copied)}" if copied else "") + "\n")
     return 0
+
+
+def _copy_tokenizer(src: str, dst: str) -> list[str]:
+    """Copies the tokenizer files of folder ``src`` into folder ``dst``; returns the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        source, target = os.path.join(src, name), os.path.join(dst, name)
+        if os.path.isfile(source) and not (os.path.exists(target) and os.path.samefile(source, target)):
+            shutil.copyfile(source, target)
+            copied.append(name)
+    return copied
 
 
 def _bench(argv: list[str]) -> int:
@@ -114,7 +199,8 @@ def _bench(argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``portable-ssm`` argument parser (one subcommand per action, each with --help)."""
-    parser = argparse.ArgumentParser(prog="portable-ssm", description="Mamba-2 on any array backend.")
+    parser = _Parser(prog="portable-ssm", description="Mamba-2 on any array backend.")
+    parser.add_argument("--version", action="version", version=f"portable-ssm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = commands.add_parser("generate", help="generate text from a pretrained model, streamed to stdout",
@@ -123,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "or a file written by portable-ssm convert")
     gen.add_argument("--prompt", required=True,
                      help="text (with tokenizer.json next to the model) or integer ids '1 2 3'")
+    gen.add_argument("--ids", action="store_true",
+                     help="the prompt is integer token ids and the output is ids: no tokenizer is loaded "
+                          "(no tokenizers package needed)")
     gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to add (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
@@ -131,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--eos-token-id", type=int, default=None,
                      help="stop at this id (default: the checkpoint's eos_token_id; -1: never stop early)")
     _add_backend_args(gen)
-    gen.add_argument("--device", default=None, help="device, e.g. cuda:0 (default: the backend's)")
+    gen.add_argument("--device", default=None, help="device, e.g. cpu or cuda:0 (default: the backend's)")
 
     info = commands.add_parser("info", help="print a checkpoint's config, parameter count and dtype",
                                description="Describe a checkpoint directory or a save_params file.")
@@ -139,9 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = commands.add_parser("convert", help="write a checkpoint as one safetensors file in core names",
                                description="Convert a transformers or state-spaces checkpoint to a "
-                                           "portable_ssm safetensors file (checkpoint.save_params).")
+                                           "portable_ssm safetensors file (checkpoint.save_params); the "
+                                           f"tokenizer files ({', '.join(TOKENIZER_FILES)}) next to SRC are "
+                                           "copied next to DST.")
     conv.add_argument("src", help="checkpoint directory or save_params file")
-    conv.add_argument("dst", help="the .safetensors file to write")
+    conv.add_argument("dst", help="the .safetensors file to write (other suffixes are refused)")
     _add_backend_args(conv)
 
     commands.add_parser("bench", add_help=False, help="benchmarks (arguments go to portable_ssm.bench; "
@@ -151,22 +242,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="numpy", choices=NAMES, help="array library (default numpy)")
-    parser.add_argument("--dtype", default=None, help="parameter dtype, e.g. float32, float64, bfloat16 "
-                        "(default float32; float64 checkpoints stay float64)")
+    parser.add_argument("--dtype", default=None, choices=DTYPES, help="parameter dtype (default float32; "
+                        "float64 checkpoints stay float64)")
+
+
+def _message(err: Exception) -> str:
+    """The one line an error is reported as: OSErrors name their path, ImportErrors what to install."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
+    text = str(err)
+    if isinstance(err, ImportError) and "pip install" not in text:
+        hint = INSTALL.get((err.name or "").split(".")[0])
+        text += f" ({hint})" if hint else ""
+    return " ".join(text.split())
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs ``portable-ssm``; returns the exit status (1 with a message on stderr for a bad input)."""
+    """Runs ``portable-ssm``; returns the exit status (2 with one ``error:`` line on stderr for a bad input)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
-        return _bench(argv[1:])
-    args = build_parser().parse_args(argv)
-    run = {"generate": _generate, "info": _info, "convert": _convert}[args.command]
+        command, run = "bench", lambda: _bench(argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+        command = args.command
+        action = {"generate": _generate, "info": _info, "convert": _convert}[command]
+        run = lambda: action(args, sys.stdout)  # noqa: E731
     try:
-        return run(args, sys.stdout)
-    except (OSError, ValueError, TypeError, ImportError) as err:
-        print(f"portable-ssm {args.command}: error: {err}", file=sys.stderr)
-        return 1
+        return run()
+    except (CheckpointError, OSError, ValueError, TypeError, ImportError) as err:
+        print(f"portable-ssm {command}: error: {_message(err)}", file=sys.stderr)
+        return ERROR_STATUS
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._array import Array, Namespace, namespace
+from ._array import Array, Namespace
 from ._checks import Shapes
 from .config import Mamba2Config
 from .mixer import _linear, mixer_step
-from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, run_sequence
+from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, check_backends, run_sequence
 from .params import Params, check_params
 
 
@@ -53,7 +53,7 @@ def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
     ``layer`` stands in for each layer's mixer, as in :func:`portable_ssm.forward`.
     """
     xp = check_params(params, config)
-    namespace(input_ids=input_ids, params=params["embedding.weight"])
+    check_backends("input_ids", input_ids, params, initial_state, "initial_state")
     shapes = _check_ids(input_ids, config, ("b", "l"), xp=xp)
     run = _sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp, layer=layer)
     x = embed(input_ids, params, xp=xp)  # [b, l, d_model]
@@ -68,7 +68,7 @@ def logits_step(token: Array, state: Mamba2State, params: Params, *,
                 config: Mamba2Config) -> tuple[Array, Any]:
     """One decode step: ``token [b]`` (integers) -> ``(logits [b, padded_vocab], new_state)``."""
     xp = check_params(params, config)
-    namespace(token=token, params=params["embedding.weight"])
+    check_backends("token", token, params, state)
     shapes = _check_ids(token, config, ("b",), xp=xp)
     x = embed(token, params, xp=xp)  # [b, d_model]
     _check_state(state, config, x, shapes, "state", xp=xp)

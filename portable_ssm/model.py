@@ -34,12 +34,29 @@ class Mamba2State(NamedTuple):
 
 def empty_state(config: Mamba2Config, batch: int, like: Array) -> Mamba2State:
     """Zero state for ``batch`` sequences, on ``like``'s backend and device, for x of ``like``'s dtype."""
+    if not isinstance(config, Mamba2Config):
+        raise TypeError(f"config: expected a Mamba2Config, got {type(config).__name__}")
+    if isinstance(batch, bool) or not hasattr(batch, "__index__") or batch <= 0:  # a traced size passes
+        raise ValueError(f"batch: expected a positive int, got {batch!r}")
     xp = namespace(like=like)
+    check_floating("like", like, xp=xp)
     c = config
     conv = xp.zeros((batch, c.conv_dim, c.d_conv), dtype=like.dtype, device=device(like))
     ssm = xp.zeros((batch, c.nheads, c.headdim, c.d_state), dtype=compute_dtype(xp, like.dtype),
                    device=device(like))
     return Mamba2State(conv=(conv,) * c.n_layer, ssm=(ssm,) * c.n_layer)
+
+
+def check_backends(x_name: str, x: Array, params: Params, state: Any = None, state_name: str = "state") -> Namespace:
+    """The namespace of ``x``, after checking that ``x``, the (already checked) params and the
+    state's arrays come from one library: a TypeError naming both sides, before any of them is
+    touched (a NumPy x with torch params would fail deep inside array_api_compat otherwise)."""
+    first = next(iter(params))
+    arrays = {x_name: x, f"params[{first!r}]": params[first]}
+    if isinstance(state, Mamba2State):
+        arrays.update({f"{state_name}.{kind}[{i}]": a for kind, layers in (("conv", state.conv), ("ssm", state.ssm))
+                       for i, a in enumerate(layers)})
+    return namespace(**arrays)
 
 
 def _check_state(state: Any, config: Mamba2Config, x: Array, shapes: Shapes, name: str, *,
@@ -116,7 +133,6 @@ def _check_x(x: Array, params: Params, config: Mamba2Config, spec: tuple[str, ..
     shapes = Shapes(d_model=config.d_model)
     shapes.check("x", x, spec)
     first = next(iter(params))
-    namespace(x=x, **{f"params[{first!r}]": params[first]})
     check_same_dtype(f"params[{first!r}]", params[first], "x", x)
     check_same_device(f"params[{first!r}]", params[first], "x", x)
     return shapes
@@ -216,6 +232,7 @@ def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | No
     """
     x, params, config, seq_idx = _resolve(x, params, config, backend, device, seq_idx)
     xp = check_params(params, config)
+    check_backends("x", x, params, initial_state, "initial_state")
     shapes = _check_x(x, params, config, ("b", "l", "d_model"), xp=xp)
     run = _sequence_mixer(seq_idx, shapes, "x", x, xp=xp, layer=layer)
     if initial_state is not None:
@@ -234,6 +251,7 @@ def step(x_t: Array, state: Mamba2State | None, params: Params, *,
     if not isinstance(config, Mamba2Config):
         raise TypeError(f"config: expected a Mamba2Config, got {type(config).__name__}")
     xp = check_params(params, config)
+    check_backends("x_t", x_t, params, state)
     shapes = _check_x(x_t, params, config, ("b", "d_model"), xp=xp)
     if state is None:
         state = empty_state(config, x_t.shape[0], x_t)

@@ -1,11 +1,15 @@
 """The benchmark runner (portable_ssm.bench): a quick run writes its table and plot; transformers is
-given the same weights; the parts select their shapes. Timings are never asserted."""
+given the same weights; the parts select their shapes; results go to ./bench-out unless --out says
+otherwise, and a --quick run never replaces a full run's results. Timings are never asserted."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from portable_ssm import bench
+from portable_ssm.bench import runner as bench
 
 
 def test_quick_numpy_run_writes_a_markdown_table_and_a_png(tmp_path):
@@ -100,3 +104,56 @@ def test_transformers_runs_the_same_weights_and_sets_the_ratios(one_torch_thread
     rows = bench.run_group([bench.Case("decode", "tiny-lm", lm, 2, bench.PROMPT)], ["numpy", "transformers"], 2)
     tokens = 2 * (bench.DECODE_STEPS + 1)
     assert [r.check for r in rows] == [f"{tokens}/{tokens}"] * 2  # greedy tokens agree step by step
+
+
+FULL_RUN = "# portable_ssm benchmarks\n\n- command: portable-ssm bench --threads 1 --out benchmarks\n"
+
+
+def test_without_out_a_run_writes_to_bench_out_and_needs_neither_tqdm_nor_matplotlib(tmp_path, monkeypatch,
+                                                                                     capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # neither is installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert bench.main(["--quick", "--only", "forward", "--max-len", "64", "--backends", "numpy", "--repeats", "2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"wrote {Path('bench-out') / 'RESULTS.md'}\n"
+    assert "bench: group 1/2" in captured.err and "bench: group 2/2" in captured.err
+    text = (tmp_path / "bench-out" / "RESULTS.md").read_text()
+    assert "| 130m-layer | 1 | 64 | numpy |" in text
+    assert "scaling.png not written: matplotlib is not installed (pip install matplotlib)" in text
+    assert "![time vs length]" not in text and sorted(p.name for p in tmp_path.rglob("*")) == ["RESULTS.md",
+                                                                                             "bench-out"]
+
+
+def test_a_quick_run_refuses_to_replace_a_full_run_before_measuring(tmp_path, monkeypatch):
+    results = tmp_path / "RESULTS.md"
+    results.write_text(FULL_RUN)
+    measured = []
+    monkeypatch.setattr(bench, "run_group", lambda *a, **k: measured.append(a) or [])
+    for extra in ([], ["--append"]):
+        with pytest.raises(FileExistsError, match="holds a full benchmark run.*--overwrite"):
+            bench.main(["--quick", "--out", str(tmp_path), *extra])
+    assert results.read_text() == FULL_RUN and measured == []
+
+
+def test_output_dir_rule():
+    committed = Path(bench.__file__).parents[2] / "benchmarks"
+    with pytest.raises(FileExistsError, match="RESULTS.md holds a full benchmark run"):
+        bench.output_dir(committed, quick=True, overwrite=False)
+    assert bench.output_dir(committed, quick=True, overwrite=True) == committed
+    assert bench.output_dir(committed, quick=False, overwrite=False) == committed  # a full run, asked for by --out
+    assert bench.DEFAULT_OUT == Path("bench-out")
+
+
+def test_a_quick_run_replaces_an_earlier_quick_run(tmp_path):
+    (tmp_path / "RESULTS.md").write_text("# portable_ssm benchmarks\n\n- command: portable-ssm bench --quick\n")
+    assert bench.output_dir(tmp_path, quick=True, overwrite=False) == tmp_path
+    assert bench.output_dir(tmp_path / "new", quick=True, overwrite=False) == tmp_path / "new"
+
+
+def test_quick_help_states_the_measured_time(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    help_text = "".join(capsys.readouterr().out.split())  # without argparse's line breaks
+    assert f"({bench.QUICK_NOTE})".replace(" ", "") in help_text and "underaminute" not in help_text
+    assert "(default./bench-out;" in help_text

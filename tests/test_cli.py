@@ -3,6 +3,8 @@ info, convert, bench forwarding, --help everywhere, clean errors."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 from test_pretrained import write_transformers_checkpoint
 
+import portable_ssm
 from portable_ssm.cli import main
 from portable_ssm.io import load_pretrained
 
@@ -20,6 +23,20 @@ from portable_ssm.io import load_pretrained
 def model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cli-model")
     write_transformers_checkpoint(folder)  # tied, vocab 50, model.safetensors
+    return folder
+
+
+def assert_one_error_line(err: str, command: str, *messages: str) -> None:
+    """stderr is exactly one ``portable-ssm COMMAND: error: ...`` line holding every message."""
+    assert err.count("\n") == 1 and err.startswith(f"portable-ssm {command}: error: "), err
+    assert all(m in err for m in messages) and "Traceback" not in err, err
+
+
+def copy_model(model_dir, folder):
+    """A copy of the checkpoint in ``folder`` (to add tokenizer files beside it)."""
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((model_dir / name).read_bytes())
     return folder
 
 
@@ -132,9 +149,105 @@ def test_python_dash_m_portable_ssm_is_the_cli():
     (["generate", "--model", "MODEL", "--prompt", "1 99"], r"expected token ids in [0, 50)"),
     (["convert", "MODEL", "OUT", "--dtype", "bfloat16"], "numpy has no bfloat16"),
 ])
-def test_bad_input_exits_1_with_a_one_line_message(model_dir, tmp_path, capsys, argv, message):
+def test_bad_input_exits_2_with_a_one_line_message(model_dir, tmp_path, capsys, argv, message):
     argv = [str(model_dir) if a == "MODEL" else str(tmp_path / "o.safetensors") if a == "OUT" else a
             for a in argv]
-    assert main(argv) == 1
+    assert main(argv) == 2
+    assert_one_error_line(capsys.readouterr().err, argv[0], message)
+
+
+def test_version_prints_the_single_sourced_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"portable-ssm {portable_ssm.__version__}\n"
+    assert importlib.metadata.version("portable-ssm") == portable_ssm.__version__
+    pyproject = (pathlib.Path(portable_ssm.__file__).parents[1] / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'version = { attr = "portable_ssm.__version__" }' in pyproject
+
+
+@pytest.mark.parametrize("option,value", [("--dtype", "float8"), ("--dtype", "float128"), ("--backend", "tf")])
+def test_a_bad_choice_is_one_error_line_with_status_2(model_dir, capsys, option, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(model_dir), "--prompt", "1", option, value])
+    assert exit_.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, "generate", f"argument {option}: invalid choice: {value!r}")
+
+
+def test_integer_ids_need_no_tokenizers_package(model_dir, tmp_path, monkeypatch, capsys):
+    folder = copy_model(model_dir, tmp_path / "m")
+    (folder / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # not installed
+    assert main(["generate", "--model", str(folder), "--ids", "--prompt", "3 1 4", "--max-new-tokens", "3"]) == 0
+    want = load_pretrained(folder).generate([[3, 1, 4]], 3)[0]
+    assert capsys.readouterr().out == " ".join(str(i) for i in want) + "\n"
+    assert main(["generate", "--model", str(folder), "--prompt", "3 1 4"]) == 2
+    assert_one_error_line(capsys.readouterr().err, "generate", "tokenizer.json needs the tokenizers package",
+                          "pip install 'portable-ssm[cli]'", "--ids")
+
+
+def test_a_garbage_tokenizer_json_is_one_error_line(model_dir, tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    folder = copy_model(model_dir, tmp_path / "m")
+    (folder / "tokenizer.json").write_text("not json {")
+    assert main(["generate", "--model", str(folder), "--prompt", "hello"]) == 2
+    assert_one_error_line(capsys.readouterr().err, "generate", f"{folder / 'tokenizer.json'}: not a readable "
+                          "tokenizer.json")
+
+
+def test_a_device_the_backend_lacks_is_one_error_line(model_dir, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this torch has a CUDA device")
+    assert main(["generate", "--model", str(model_dir), "--prompt", "1", "--backend", "torch",
+                 "--device", "cuda"]) == 2
+    assert_one_error_line(capsys.readouterr().err, "generate", "--device cuda", "no CUDA device")
+    assert main(["generate", "--model", str(model_dir), "--prompt", "1", "--backend", "torch",
+                 "--device", "gpu7"]) == 2
+    assert_one_error_line(capsys.readouterr().err, "generate", "--device 'gpu7': not a torch device")
+
+
+def test_a_missing_backend_package_names_what_to_install(model_dir):
+    done = run_python(f"""
+        import sys
+        sys.modules["torch"] = None  # torch not installed
+        from portable_ssm.cli import main
+        sys.exit(main(["info", {str(model_dir)!r}]) + 10 * main(["convert", {str(model_dir)!r}, "/tmp/x.safetensors",
+                                                                 "--backend", "torch"]))
+    """)
+    assert done.returncode == 20, done.stderr
+    assert_one_error_line(done.stderr, "convert", "torch", "pip install 'portable-ssm[torch]'")
+
+
+def test_convert_refuses_a_file_name_other_than_safetensors(model_dir, tmp_path, capsys):
+    assert main(["convert", str(model_dir), str(tmp_path / "out.bin")]) == 2
+    assert_one_error_line(capsys.readouterr().err, "convert", "expected a .safetensors file name", "out.bin")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_copies_the_tokenizer_files_next_to_the_output(model_dir, tmp_path, capsys):
+    folder = copy_model(model_dir, tmp_path / "m")
+    files = {"tokenizer.json": "{}", "tokenizer_config.json": '{"a": 1}', "special_tokens_map.json": '{"b": 2}'}
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    (tmp_path / "out").mkdir()
+    dst = tmp_path / "out" / "m.safetensors"
+    assert main(["convert", str(folder), str(dst)]) == 0
+    assert "copied tokenizer.json, tokenizer_config.json, special_tokens_map.json" in capsys.readouterr().out
+    assert {name: (tmp_path / "out" / name).read_text() for name in files} == files
+    assert load_pretrained(dst).num_parameters == load_pretrained(folder).num_parameters
+
+
+def test_a_convert_write_error_names_the_users_path_not_a_temporary_file(model_dir, tmp_path, capsys):
+    dst = tmp_path / "missing-folder" / "m.safetensors"
+    assert main(["convert", str(model_dir), str(dst)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"portable-ssm {argv[0]}: error: ") and message in err and "Traceback" not in err
+    assert_one_error_line(err, "convert", f"{dst}: No such file or directory")
+    assert ".tmp" not in err
+
+
+def test_bench_errors_take_the_same_one_line_path(tmp_path, capsys):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# portable_ssm benchmarks\n\n- command: portable-ssm bench --out benchmarks\n")
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == 2
+    assert_one_error_line(capsys.readouterr().err, "bench", f"{results} holds a full benchmark run", "--overwrite")
+    assert results.read_text().endswith("--out benchmarks\n")

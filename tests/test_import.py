@@ -12,7 +12,7 @@ import portable_ssm
 PACKAGE = pathlib.Path(portable_ssm.__file__).parent
 FRAMEWORKS = {"numpy", "torch", "cupy", "jax", "jaxlib", "array_api_strict"}
 #: Tooling outside the array-API core; these may import frameworks lazily, inside functions.
-TOOLING = {"bench.py", "bench_calls.py", "bench_report.py", "cli.py", "__main__.py"}
+TOOLING = {"bench/__init__.py", "bench/calls.py", "bench/report.py", "bench/runner.py", "cli.py", "__main__.py"}
 #: The byte format of safetensors files, read into and written from host NumPy arrays (imported
 #: only when a file is read or written).
 HOST_IO = {"io/safetensors.py"}
@@ -55,3 +55,9 @@ def test_backends_install_under_portable_ssm_not_at_top_level():
             "print(b.__name__, importlib.util.find_spec('backends'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.split() == ["portable_ssm.backends", "None"]
+
+
+def test_tooling_files_exist_and_install_as_packages():
+    assert sorted(name for name in TOOLING if not (PACKAGE / name).is_file()) == []
+    pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
+    assert '"portable_ssm.bench"' in pyproject  # `portable-ssm bench` reaches it from an installed package

@@ -200,3 +200,64 @@ class TestModelArguments:
 def test_config_names_the_wrong_field(kw, field):
     with raises(ValueError, f"Mamba2Config.{field}"):
         ps.Mamba2Config(**kw)
+
+
+class TestMixedBackends:
+    """x (or token ids), params and state from two libraries: one TypeError naming both libraries and
+    the argument, raised before any array is touched (not an AttributeError from array_api_compat)."""
+
+    config = ps.Mamba2Config(d_model=8, n_layer=2, d_state=8, headdim=4, vocab_size=16)
+
+    @pytest.fixture
+    def pair(self):
+        torch = pytest.importorskip("torch")
+        return torch, ps.init_params(self.config), ps.init_params(self.config, backend="torch")
+
+    @pytest.mark.parametrize("x_lib", ["numpy", "torch"])
+    def test_forward_and_step_with_x_and_params_from_two_libraries(self, pair, x_lib):
+        torch, numpy_params, torch_params = pair
+        x = np.zeros((1, 3, 8), np.float32)
+        x, params, other = (x, torch_params, "torch") if x_lib == "numpy" else (torch.zeros(1, 3, 8),
+                                                                                 numpy_params, "numpy")
+        with raises(TypeError, "params['", f"a {other} array", f"x is a {x_lib} array", "to_backend"):
+            ps.forward(x, params, config=self.config)
+        with raises(TypeError, "params['", f"a {other} array", f"x_t is a {x_lib} array"):
+            ps.step(x[:, 0], None, params, config=self.config)
+
+    def test_a_state_from_another_library_is_named(self, pair):
+        torch, numpy_params, _ = pair
+        torch_state = ps.empty_state(self.config, 1, torch.zeros(1, 8))
+        x = np.zeros((1, 3, 8), np.float32)
+        with raises(TypeError, "state.conv[0] is a torch array", "x_t is a numpy array"):
+            ps.step(x[:, 0], torch_state, numpy_params, config=self.config)
+        with raises(TypeError, "initial_state.conv[0] is a torch array", "x is a numpy array"):
+            ps.forward(x, numpy_params, config=self.config, initial_state=torch_state)
+
+    def test_logits_and_logits_step_with_ids_params_or_state_from_two_libraries(self, pair):
+        from portable_ssm import lm
+
+        torch, numpy_params, torch_params = pair
+        ids = np.zeros((1, 3), np.int64)
+        with raises(TypeError, "params['", "a torch array", "input_ids is a numpy array"):
+            lm.logits(ids, torch_params, config=self.config)
+        with raises(TypeError, "params['", "a numpy array", "input_ids is a torch array"):
+            lm.logits(torch.zeros(1, 3, dtype=torch.int64), numpy_params, config=self.config)
+        numpy_state = ps.empty_state(self.config, 1, np.zeros((1, 8), np.float32))
+        with raises(TypeError, "params['", "a torch array", "token is a numpy array"):
+            lm.logits_step(ids[:, 0], numpy_state, torch_params, config=self.config)
+        torch_state = ps.empty_state(self.config, 1, torch.zeros(1, 8))
+        with raises(TypeError, "state.conv[0] is a torch array", "token is a numpy array"):
+            lm.logits_step(ids[:, 0], torch_state, numpy_params, config=self.config)
+        with raises(TypeError, "params", "a torch array", "input_ids is a numpy array"):
+            ps.Mamba2LM(torch_params, self.config).logits(ids)
+
+    def test_empty_state_checks_its_arguments(self):
+        like = np.zeros((1, 8), np.float32)
+        with raises(TypeError, "config", "Mamba2Config", "dict"):
+            ps.empty_state({}, 1, like)
+        with raises(ValueError, "batch", "positive int", "0"):
+            ps.empty_state(self.config, 0, like)
+        with raises(TypeError, "like", "expected an array", "list"):
+            ps.empty_state(self.config, 1, [0.0] * 8)
+        with raises(TypeError, "like", "real floating", "int64"):
+            ps.empty_state(self.config, 1, np.zeros((1, 8), np.int64))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .config import Mamba2Config
+from ..config import Mamba2Config
 
 Clock = Callable[[], float]
 PROMPT, DECODE_STEPS = 8, 32
@@ -53,7 +53,7 @@ def transformers_model(config: Mamba2Config, params: dict[str, Any], *, lm: bool
 
 def without_fast_ops(fn: Callable[[], Any], backend: str) -> Callable[[], Any]:
     """``fn`` run with ``backend``'s native fast paths switched off: the array-API core alone."""
-    from .backends import load
+    from ..backends import load
 
     ops = load(backend).FAST_OPS
 
@@ -71,7 +71,7 @@ def forward_fn(backend: str, config: Mamba2Config, params: dict[str, Any], x: An
                train: bool) -> Callable[[], Any]:
     """A no-argument call running one forward (``train``: forward + backward) on ``backend``;
     ``"numpy-ref"`` is numpy without its native fast paths."""
-    from .model import forward
+    from ..model import forward
 
     if backend == "numpy":
         return lambda: forward(x, params, config=config)
@@ -133,8 +133,8 @@ def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
             out = model.generate(torch.from_numpy(ids), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
                                  use_cache=True, logits_processor=LogitsProcessorList([stamp]))
         return list(np.diff(stamp.stamps)), host(out[:, ids.shape[1]:])
-    from .backends import load, to_backend
-    from .lm import logits, logits_step
+    from ..backends import load, to_backend
+    from ..lm import logits, logits_step
 
     xp, p = load(backend).namespace(), {k: to_backend(v, backend) for k, v in params.items()}
     no_grad = __import__("torch").inference_mode() if backend == "torch" else contextlib.nullcontext()

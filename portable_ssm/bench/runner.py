@@ -11,7 +11,7 @@ One run builds identical random weights for portable_ssm and, when installed, tr
 
 It reports medians, ratios to transformers measured in the same run, GFLOP/s against this
 machine's sgemm rate (numpy float32 matmul, timed in the same rounds), peak memory and time-vs-length scaling,
-and writes ``RESULTS.md`` and ``scaling.png`` (:mod:`portable_ssm.bench_report`, which also
+and writes ``RESULTS.md`` and ``scaling.png`` (:mod:`portable_ssm.bench.report`, which also
 defines the FLOP count). Timings are reported, never asserted. Frameworks are imported inside
 functions only, so ``import portable_ssm`` stays framework-free.
 """
@@ -28,9 +28,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .bench_calls import DECODE_STEPS, PROMPT, Clock, decode, forward_fn, host, sgemm_call
-from .bench_report import Case, Row, proc_kib, write_results
-from .config import Mamba2Config
+from ..config import Mamba2Config
+from .calls import DECODE_STEPS, PROMPT, Clock, decode, forward_fn, host, sgemm_call
+from .report import Case, Row, proc_kib, write_results
 
 PARTS = ("forward", "train", "decode", "scaling")
 BACKENDS = ("numpy", "numpy-ref", "torch", "jax", "transformers")
@@ -45,6 +45,9 @@ TRAIN_MAX_LEN = 8192  # longer training rows need more memory than a CPU runner 
 #: The sgemm timed beside every forward and training case, in the same rounds (``[n, n] @ [n, n]``).
 SGEMM, SGEMM_N = "sgemm", 4096
 CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
+#: How long ``--quick`` took, measured once on the project's 2-core VM at load average 20-27
+#: (``time portable-ssm bench --quick [--backends numpy]``; see README, "Benchmarks").
+QUICK_NOTE = "measured: about 160 s with every backend, 14 s with --backends numpy, on a busy 2-core VM"
 
 
 def cases(parts: tuple[str, ...], quick: bool, max_len: int | None) -> list[Case]:
@@ -155,7 +158,7 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
     decode steps are timed backend after backend."""
     import numpy as np
 
-    from .params import init_params
+    from ..params import init_params
 
     params = init_params(group[0].config, seed=0)
     inputs = {case: _inputs(case) for case in group}
@@ -200,11 +203,50 @@ def _set_threads(threads: int | None) -> list[str]:
     return notes
 
 
+#: Where results go without ``--out``: a folder of its own, so no run replaces the committed
+#: ``benchmarks/RESULTS.md`` unless asked with ``--out benchmarks``.
+DEFAULT_OUT = Path("bench-out")
+
+
+def output_dir(out: Path, *, quick: bool, overwrite: bool) -> Path:
+    """``out``, after checking that this run may write there: a ``--quick`` run never replaces or
+    extends a RESULTS.md that holds a full run (e.g. the committed ``benchmarks/RESULTS.md``)
+    unless ``overwrite``. Raises FileExistsError naming the file."""
+    results = out / "RESULTS.md"
+    if quick and not overwrite and results.is_file() and not _is_quick_run(results):
+        raise FileExistsError(f"{results} holds a full benchmark run; a --quick run does not replace it. "
+                              f"Pass another --out (default {DEFAULT_OUT}) or --overwrite")
+    return out
+
+
+def _is_quick_run(results: Path) -> bool:
+    """Whether a RESULTS.md records a ``--quick`` run (its ``command:`` line says so)."""
+    command = next((line for line in results.read_text().splitlines() if line.startswith("- command: ")), "")
+    return "--quick" in command.split()
+
+
+def _progress(items: list[Any]) -> Any:
+    """``items`` with a progress bar (tqdm when installed; otherwise one line per item on stderr)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _plain_progress(items)
+    return tqdm(items, desc="bench", unit="group")
+
+
+def _plain_progress(items: list[Any]) -> Any:
+    for i, item in enumerate(items):
+        print(f"bench: group {i + 1}/{len(items)}", file=sys.stderr, flush=True)
+        yield item
+
+
 def main(argv: list[str] | None = None) -> int:
     """``portable-ssm bench``: runs the parts asked for and writes RESULTS.md and scaling.png."""
     parser = argparse.ArgumentParser(prog="portable-ssm bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run under a minute")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"tiny shapes: a smoke run ({QUICK_NOTE}); never replaces a full run's "
+                             "RESULTS.md without --overwrite")
     parser.add_argument("--max-len", type=int, default=None, help="leave out lengths above this")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma list (default: all installed)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per row after one warm-up")
@@ -212,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                         help="wall time, or this process's CPU time (steadier on a shared machine; "
                              "meaningful with --threads 1 only)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="folder for the results")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"folder for RESULTS.md and scaling.png (default ./{DEFAULT_OUT}; the committed "
+                             "results are written only with an explicit --out benchmarks)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="let a --quick run replace (or --append to) a full run's RESULTS.md")
     parser.add_argument("--append", action="store_true",
                         help="add this run as a section at the end of the folder's RESULTS.md (no plot), "
                              "e.g. a --threads 2 run after the main one")
@@ -221,11 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     for bad in [p for p in parts if p not in PARTS] + [b for b in wanted if b not in BACKENDS]:
         parser.error(f"unknown part or backend {bad!r}: parts {PARTS}, backends {BACKENDS}")
+    out = output_dir(args.out, quick=args.quick, overwrite=args.overwrite)
     notes = [f"command: portable-ssm bench {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()]
     notes += _set_threads(args.threads)
     import importlib.util
-
-    from tqdm import tqdm
 
     backends = [b for b in wanted if importlib.util.find_spec(b.split("-")[0]) is not None]
     if "torch" not in backends:
@@ -244,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.clock == "cpu":
         notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
     rows: list[Row] = []
-    for group in tqdm(groups(cases(parts, args.quick, args.max_len)), desc="bench", unit="group"):
+    for group in _progress(groups(cases(parts, args.quick, args.max_len))):
         rows += run_group(group, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N,
                           sample_s=0.05 if args.quick else 1.0)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    print(f"wrote {write_results(rows, args.out, notes, append=args.append)}")
+    print(f"wrote {write_results(rows, out, notes, append=args.append)}")
     return 0

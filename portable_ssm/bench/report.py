@@ -8,6 +8,7 @@ details and the time-vs-length plot. Frameworks are imported inside functions on
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import platform
 import statistics
@@ -15,8 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Mamba2Config
-from .ssd import choose_chunk_size
+from ..config import Mamba2Config
+from ..ssd import choose_chunk_size
 
 FLOP_NOTE = ("FLOP count, per layer and token (multiply-add = 2): projections 2·d_model·(d_in_proj + "
              "d_inner) + SSD 2·(Q·g·n + Q·h·p + 2·h·p·n) with Q = portable_ssm's chunk size for l; conv, "
@@ -212,7 +213,7 @@ def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]]) -> lis
 
 
 def write_results(rows: list[Row], out: Path, notes: list[str], *, append: bool = False) -> Path:
-    """Writes ``RESULTS.md`` (and ``scaling.png`` when there are length rows) into ``out``; with
+    """Writes ``RESULTS.md`` (and ``scaling.png`` when there are length rows and matplotlib) into ``out``; with
     ``append``, adds the run as one section at the end of the existing RESULTS.md instead (its
     headings one level down, no plot)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -229,14 +230,17 @@ def write_results(rows: list[Row], out: Path, notes: list[str], *, append: bool 
     if rates:
         text.append(f"- sgemm over the groups (numpy float32 matmul, timed beside each): {rates[0]:.1f} to "
                     f"{rates[-1]:.1f} GFLOP/s, median {statistics.median(rates):.1f}")
+    plot = bool(curves) and not append and importlib.util.find_spec("matplotlib") is not None
+    if curves and not append and not plot:
+        text.append("- scaling.png not written: matplotlib is not installed (pip install matplotlib)")
     text += ["", FLOP_NOTE, ""] + _targets(rows, curves) + _tables(rows)
     if curves:
-        text += _scaling_table(curves, plot=not append)
+        text += _scaling_table(curves, plot=plot)
     if append:
         text = [f"#{line}" if line.startswith("#") else line for line in text]
         path.write_text(path.read_text().rstrip("\n") + "\n" + "\n".join(text))
         return path
-    if curves:
+    if plot:
         plot_scaling(curves, out / "scaling.png")
     path.write_text("\n".join(text))
     return path
