@@ -1,7 +1,8 @@
 """Autoregressive generation with a real cache: one chunked-scan prefill, then one recurrent step per token.
 
-The prompt ``[b, l]`` goes through :func:`portable_ssm.lm.logits` once with ``return_state=True``;
-each new token then costs one :func:`portable_ssm.lm.logits_step` on the per-layer conv and SSM
+The prompt ``[b, l]`` goes through the chunked scan once (:func:`portable_ssm.lm.prefill`, the
+last position's logits and the state); each new token then costs one decode step
+(:func:`portable_ssm.lm.decode`, as :func:`portable_ssm.lm.logits_step`) on the per-layer conv and SSM
 states, so memory per token is constant whatever the length. The tokens equal those of recomputing
 the full forward over the whole sequence at every step.
 
@@ -29,9 +30,9 @@ returns the state after every returned token (a finished row's state stops at it
 sequence, its filler tokens are never fed), so a conversation continues from it with its next
 turn's tokens.
 
-On JAX the decode step (``lm.decode`` plus the finished rows' state merge) is ``jax.jit``-compiled
-once per shape and config and reused by later calls (``portable_ssm.backends.jax.TRACES`` counts
-its traces); the prefill and the token choice run eagerly.
+On JAX the prefill (``lm.prefill``) and the decode step (``lm.decode`` plus the finished rows'
+state merge) are ``jax.jit``-compiled once per shape and config and reused by later calls
+(``portable_ssm.backends.jax.TRACES`` counts their traces); the token choice runs eagerly.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from functools import lru_cache
 from typing import Any
 
 from ._array import Array, Namespace, array_backend, compute_dtype, constant, device, dtype_name, namespace
+from ._checks import Shapes
 from .backends import fast_op, load, to_backend
 from .config import Mamba2Config
 from .generation_options import (
@@ -53,9 +55,9 @@ from .generation_options import (
     penalize,
     seen_tokens,
 )
-from .lm import decode
-from .lm import logits as lm_logits
-from .model import Mamba2State
+from .lm import decode, prefill
+from .model import Mamba2State, _check_state
+from .padding import check_attention_mask
 from .params import Params, check_params
 
 
@@ -142,17 +144,32 @@ def _keep_finished(old: Mamba2State, new: Mamba2State, active: Array, *, xp: Nam
                        ssm=tuple(xp.where(active[:, None, None, None], n, o) for o, n in zip(old.ssm, new.ssm)))
 
 
+def _compiled(run: Callable[..., Any], name: str, *, xp: Namespace) -> Callable[..., Any]:
+    """``run`` compiled where the backend has ``fast_op(xp, "jit")`` (JAX), else itself."""
+    compile_fn = fast_op(xp, "jit")
+    return run if compile_fn is None else compile_fn(run, name)
+
+
+@lru_cache(maxsize=8)
+def _prefiller(config: Mamba2Config, xp: Namespace) -> Callable[..., tuple[Array, Mamba2State]]:
+    """``(ids [b, l], state or None, pad [b] or None, params) -> (last logits [b, rows], state)``."""
+
+    def run(ids: Array, state: Mamba2State | None, pad: Array | None, params: Params) -> tuple[Array, Mamba2State]:
+        return prefill(ids, state, pad, params, config=config, xp=xp)
+
+    return _compiled(run, "prefill", xp=xp)
+
+
 @lru_cache(maxsize=8)
 def _decoder(config: Mamba2Config, xp: Namespace) -> Callable[..., tuple[Array, Mamba2State]]:
     """``(token [b], state, active [b] or None, params) -> (logits [b, rows], state)``: one decode
-    step, the inactive rows' state kept; compiled where the backend has ``fast_op(xp, "jit")``."""
+    step, the inactive rows' state kept."""
 
     def run(token: Array, state: Mamba2State, active: Array | None, params: Params) -> tuple[Array, Mamba2State]:
         out, new = decode(token, state, params, config=config, xp=xp)
         return out, (new if active is None else _keep_finished(state, new, active, xp=xp))
 
-    compile_step = fast_op(xp, "jit")
-    return run if compile_step is None else compile_step(run, "decode")
+    return _compiled(run, "decode", xp=xp)
 
 
 def _processed(processor: Callable[[Array, Array], Array], input_ids: Array, generated: list[Array],
@@ -181,11 +198,15 @@ class _Prefill:
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids: expected shape [b, l] with l >= 1, got {tuple(input_ids.shape)}")
         check_token_ids("input_ids", input_ids, rows, xp=xp)
+        shapes = Shapes()
+        shapes.check("input_ids", input_ids, ("b", "l"))
+        if initial_state is not None:
+            _check_state(initial_state, config, params["embedding.weight"], shapes, "initial_state", xp=xp)
+        pad = None if attention_mask is None else check_attention_mask(attention_mask, shapes, "input_ids",
+                                                                       input_ids, xp=xp)
         self.xp, self.input_ids, self.params, self.config = xp, input_ids, params, config
         self.options = o = check_options(input_ids.shape[1], rows, **options)
-        out, self.state = lm_logits(input_ids, params, config=config, initial_state=initial_state,
-                                    return_state=True, attention_mask=attention_mask)  # [b, l, rows]
-        self.last = out[:, -1, :]  # [b, rows]
+        self.last, self.state = _prefiller(config, xp)(input_ids, initial_state, pad, params)  # [b, rows]
         valid = None if attention_mask is None else xp.astype(attention_mask, xp.bool)
         self.seen = None if o.penalty is None else seen_tokens(input_ids, valid, o.vocab, xp=xp)
 

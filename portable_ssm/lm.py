@@ -8,12 +8,13 @@ the backbone and ``lm_head.weight`` (``embedding.weight`` itself when ``tie_embe
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ._array import Array, Namespace, namespace
 from ._checks import Shapes
 from .config import Mamba2Config
-from .mixer import _linear, mixer_step
+from .mixer import _linear, mixer, mixer_step
 from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, pool_blocks, run_sequence
 from .padding import padded_layer
 from .params import Params, check_params
@@ -84,6 +85,16 @@ def logits_step(token: Array, state: Mamba2State, params: Params, *, config: Mam
         return _linear(hidden, head_weight(params, config), None, xp=xp), state
     _check_state(state, config, params["embedding.weight"], shapes, "state", xp=xp)  # x's dtype and device
     return decode(token, state, params, config=config, xp=xp)
+
+
+def prefill(input_ids: Array, state: Mamba2State | None, pad: Array | None, params: Params, *,
+            config: Mamba2Config, xp: Namespace) -> tuple[Array, Mamba2State]:
+    """:func:`logits` on checked arguments for the last position only: ``(logits [b, padded_vocab]
+    after the last token, state)``; ``pad [b]``: left-padding lengths or None (what generation runs,
+    compiled on JAX)."""
+    run = mixer if pad is None else partial(mixer, pad=pad)
+    hidden, state = run_sequence(embed(input_ids, params, xp=xp), params, config, state, run, xp=xp)
+    return _linear(hidden[:, -1, :], head_weight(params, config), None, xp=xp), state
 
 
 def decode(token: Array, state: Mamba2State, params: Params, *, config: Mamba2Config,

@@ -314,12 +314,15 @@ def test_torch_lm_module_generates_without_grad_as_the_core():
     assert isinstance(out, torch.Tensor) and not out.requires_grad and not state.ssm[0].requires_grad
     np.testing.assert_array_equal(out.numpy(), generate(ids, params, config=CONFIG, max_new_tokens=5))
     ragged, mask = left_pad(PROMPTS)
+    logits = module(torch.tensor(ragged), attention_mask=torch.tensor(mask))
+    np.testing.assert_allclose(logits[3, -1].detach().numpy(), lm.logits(np.asarray([PROMPTS[3]]), params,
+                                                                         config=CONFIG)[0, -1], rtol=1e-4, atol=1e-5)
     got = module.generate(torch.tensor(ragged), 3, attention_mask=torch.tensor(mask))
     np.testing.assert_array_equal(got[1, 10:].numpy(), generate(np.asarray([PROMPTS[1]]), params, config=CONFIG,
                                                                 max_new_tokens=3)[0, 3:])
 
 
-def test_jax_generation_compiles_the_decode_step_once_per_shape():
+def test_jax_generation_compiles_prefill_and_decode_step_once_per_shape():
     pytest.importorskip("jax")
     from portable_ssm.backends import jax as jax_backend
     from portable_ssm.backends import load
@@ -328,10 +331,10 @@ def test_jax_generation_compiles_the_decode_step_once_per_shape():
     params = ps.cast_params(HOST, "float32", backend="jax")
     ids = ps.to_backend(np.asarray([PROMPTS[0], PROMPTS[0][::-1]]), "jax")
     out = generate(ids, params, config=CONFIG, max_new_tokens=6)
-    traced = jax_backend.TRACES["decode"]
-    assert traced >= 1
+    traced = dict(jax_backend.TRACES)
+    assert traced["decode"] >= 1 and traced["prefill"] >= 1
     again = generate(ids, params, config=CONFIG, max_new_tokens=6)
-    assert jax_backend.TRACES["decode"] == traced  # the second call reuses the compiled step
+    assert dict(jax_backend.TRACES) == traced  # the second call reuses the compiled prefill and step
     expected = generate(np.asarray([PROMPTS[0], PROMPTS[0][::-1]]), HOST, config=CONFIG, max_new_tokens=6)
     np.testing.assert_array_equal(np.asarray(out), expected)
     np.testing.assert_array_equal(np.asarray(again), expected)
