@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,4 +61,18 @@ def pass_states(state: Any, chunk_decay: Any, Bt: Any, X: Any, C: Any) -> tuple[
     return jnp.moveaxis(outputs, 0, 1), final  # [c, b, g, Q, r·p] -> [b, c, g, Q, r·p]
 
 
-FAST_OPS: dict[str, Any] = {"pass_states": pass_states}
+#: How often each function compiled by :func:`jit` was traced (once per new shape or structure).
+TRACES: Counter[str] = Counter()
+
+
+def jit(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``jax.jit(fn)``, counting its traces under ``name`` in :data:`TRACES` (generation's decode step)."""
+
+    def traced(*args: Any) -> Any:
+        TRACES[name] += 1
+        return fn(*args)
+
+    return jax.jit(traced)
+
+
+FAST_OPS: dict[str, Any] = {"pass_states": pass_states, "jit": jit}

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from portable_ssm import lm
+from portable_ssm import generation, lm
 from portable_ssm.config import Mamba2Config
 from portable_ssm.mixer import mixer
 from portable_ssm.model import Mamba2State
@@ -227,13 +227,24 @@ class Mamba2LMModule(Mamba2Module):
         super().__init__(config, **kwargs)
 
     def forward(self, input_ids: torch.Tensor, initial_state: Mamba2State | None = None,
-                return_state: bool = False, seq_idx: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, Mamba2State]:
+                return_state: bool = False, seq_idx: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, Mamba2State]:
         """``input_ids [b, l]`` -> logits ``[b, l, padded_vocab]`` (float32 for float32 parameters),
-        or ``(logits, state)``; arguments as :meth:`Mamba2Module.forward`."""
+        or ``(logits, state)``; arguments as :meth:`Mamba2Module.forward`, ``attention_mask [b, l]``
+        (left padding) as in :func:`portable_ssm.forward`."""
         out, state = lm.logits(input_ids, self.params(), config=self.config, initial_state=initial_state,
-                               return_state=True, seq_idx=seq_idx, layer=self._layer())
+                               return_state=True, seq_idx=seq_idx, layer=self._layer(),
+                               attention_mask=attention_mask)
         return (out, self._conv_in_param_dtype(state)) if return_state else out
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int | None = None,
+                 **options: Any) -> torch.Tensor | tuple[torch.Tensor, Mamba2State]:
+        """``input_ids [b, l]`` -> ``[b, l + new]`` without gradients: the core's cached
+        :func:`portable_ssm.generation.generate` on this module's parameters (same options:
+        attention_mask, initial_state, return_state, sampling, stopping)."""
+        with torch.no_grad():
+            return generation.generate(input_ids, self.params(), config=self.config,
+                                       max_new_tokens=max_new_tokens, **options)
 
 
 # --- Optimizer state as named tensors, for safetensors checkpoints (never pickle) ---

@@ -1,7 +1,8 @@
 """Autoregressive generation with a real cache: one chunked-scan prefill, then one recurrent step per token.
 
-The prompt ``[b, l]`` goes through :func:`portable_ssm.lm.logits` once with ``return_state=True``;
-each new token then costs one :func:`portable_ssm.lm.logits_step` on the per-layer conv and SSM
+The prompt ``[b, l]`` goes through the chunked scan once (:func:`portable_ssm.lm.prefill`, the
+last position's logits and the state); each new token then costs one decode step
+(:func:`portable_ssm.lm.decode`, as :func:`portable_ssm.lm.logits_step`) on the per-layer conv and SSM
 states, so memory per token is constant whatever the length. The tokens equal those of recomputing
 the full forward over the whole sequence at every step.
 
@@ -15,33 +16,49 @@ Choosing a token from ``logits [b, V]`` (:func:`next_token`):
   (``portable_ssm.backends.load("numpy").rng(seed)``) and moved to the logits' backend, so one seed
   gives the same tokens on every backend (up to rounding of near ties).
 
-End of sequence: a row that emitted ``eos_token_id`` keeps emitting it; generation stops early once
-every row has finished, so the result has ``new <= max_new_tokens`` columns.
+Options (transformers' names and semantics): ``max_new_tokens`` or ``max_length``,
+``min_new_tokens``, ``do_sample``, ``repetition_penalty``, ``eos_token_id`` (one id or several),
+``pad_token_id``, ``stop`` token sequences and a ``logits_processor`` hook
+(:mod:`portable_ssm.generation_options`). A finished row emits ``pad_token_id`` (default: the
+first eos id); generation stops early once every row has finished, so the result has
+``new <= max_new_tokens`` columns.
+
+Ragged batches: ``attention_mask [b, l]`` marks left padding (:mod:`portable_ssm.padding`); every
+row then gets exactly the tokens it gets alone (:func:`left_pad` builds ids and mask from lists).
+Continued generation: ``initial_state`` continues an earlier call; ``return_state=True`` also
+returns the state after every returned token (a finished row's state stops at its eos or stop
+sequence, its filler tokens are never fed), so a conversation continues from it with its next
+turn's tokens.
+
+On JAX the prefill (``lm.prefill``) and the decode step (``lm.decode`` plus the finished rows'
+state merge) are ``jax.jit``-compiled once per shape and config and reused by later calls
+(``portable_ssm.backends.jax.TRACES`` counts their traces); the token choice runs eagerly.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from functools import lru_cache
 from typing import Any
 
 from ._array import Array, Namespace, array_backend, compute_dtype, constant, device, dtype_name, namespace
-from ._checks import check_positive_int
-from .backends import load, to_backend
+from ._checks import Shapes
+from .backends import fast_op, load, to_backend
 from .config import Mamba2Config
-from .lm import logits as lm_logits
-from .lm import logits_step
+from .generation_options import (
+    add_seen,
+    ban,
+    check_options,
+    check_sampling,
+    finishing,
+    penalize,
+    seen_tokens,
+)
+from .lm import decode, prefill
+from .model import Mamba2State, _check_state
+from .padding import check_attention_mask
 from .params import Params, check_params
-
-
-def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature: expected a number >= 0 (0 is greedy), got {temperature!r}")
-    check_positive_int("top_k", top_k, allow_none=True)
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not 0 < top_p <= 1):
-        raise ValueError(f"top_p: expected a number in (0, 1] or None, got {top_p!r}")
-    return float(temperature)
 
 
 def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
@@ -98,7 +115,7 @@ def next_token(logits: Array, *, temperature: float = 0.0, top_k: int | None = N
     ``portable_ssm.backends.load("numpy").rng(seed)``) supplies the Gumbel noise.
     """
     xp = namespace(logits=logits)
-    temperature = _check_sampling(temperature, top_k, top_p)
+    temperature = check_sampling(temperature, top_k, top_p)
     if logits.ndim != 2:
         raise ValueError(f"logits: expected shape [b, V], got {tuple(logits.shape)}")
     if not xp.isdtype(logits.dtype, "real floating"):
@@ -108,77 +125,173 @@ def next_token(logits: Array, *, temperature: float = 0.0, top_k: int | None = N
     return _choose(logits, temperature, top_k, top_p, rng, xp=xp)
 
 
-def stream(input_ids: Array, params: Params, *, config: Mamba2Config, max_new_tokens: int,
-           temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-           seed: int | None = None, eos_token_id: int | None = None,
-           vocab_size: int | None = None) -> Iterator[Array]:
-    """The new tokens ``[b]`` (input_ids' dtype) one at a time, as they are chosen.
 
-    Arguments as :func:`generate`; they are all checked before this returns.
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts of unequal length as one left-padded batch: ``(ids, attention_mask)``, nested lists
+    ``[b, longest]`` (mask 0 on the padding, 1 on the tokens)."""
+    if not prompts or any(not isinstance(p, Sequence) or len(p) == 0 for p in prompts):
+        raise ValueError("input_ids: expected a non-empty list of non-empty token id lists")
+    width = max(len(p) for p in prompts)
+    ids = [[pad_token_id] * (width - len(p)) + list(p) for p in prompts]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+    return ids, mask
+
+
+def _keep_finished(old: Mamba2State, new: Mamba2State, active: Array, *, xp: Namespace) -> Mamba2State:
+    """``new`` on the ``active [b]`` rows, ``old`` on the others."""
+    return Mamba2State(conv=tuple(xp.where(active[:, None, None], n, o) for o, n in zip(old.conv, new.conv)),
+                       ssm=tuple(xp.where(active[:, None, None, None], n, o) for o, n in zip(old.ssm, new.ssm)))
+
+
+def _compiled(run: Callable[..., Any], name: str, *, xp: Namespace) -> Callable[..., Any]:
+    """``run`` compiled where the backend has ``fast_op(xp, "jit")`` (JAX), else itself."""
+    compile_fn = fast_op(xp, "jit")
+    return run if compile_fn is None else compile_fn(run, name)
+
+
+@lru_cache(maxsize=8)
+def _prefiller(config: Mamba2Config, xp: Namespace) -> Callable[..., tuple[Array, Mamba2State]]:
+    """``(ids [b, l], state or None, pad [b] or None, params) -> (last logits [b, rows], state)``."""
+
+    def run(ids: Array, state: Mamba2State | None, pad: Array | None, params: Params) -> tuple[Array, Mamba2State]:
+        return prefill(ids, state, pad, params, config=config, xp=xp)
+
+    return _compiled(run, "prefill", xp=xp)
+
+
+@lru_cache(maxsize=8)
+def _decoder(config: Mamba2Config, xp: Namespace) -> Callable[..., tuple[Array, Mamba2State]]:
+    """``(token [b], state, active [b] or None, params) -> (logits [b, rows], state)``: one decode
+    step, the inactive rows' state kept."""
+
+    def run(token: Array, state: Mamba2State, active: Array | None, params: Params) -> tuple[Array, Mamba2State]:
+        out, new = decode(token, state, params, config=config, xp=xp)
+        return out, (new if active is None else _keep_finished(state, new, active, xp=xp))
+
+    return _compiled(run, "decode", xp=xp)
+
+
+def _processed(processor: Callable[[Array, Array], Array], input_ids: Array, generated: list[Array],
+               scores: Array, *, xp: Namespace) -> Array:
+    """The user's ``processor(ids_so_far [b, l + i], scores [b, vocab])``, its result checked."""
+    ids = input_ids if not generated else xp.concat([input_ids, xp.stack(generated, axis=1)], axis=1)
+    out = processor(ids, scores)
+    namespace(**{"logits_processor's result": out, "scores": scores})
+    if tuple(out.shape) != tuple(scores.shape) or not xp.isdtype(out.dtype, "real floating"):
+        raise ValueError(f"logits_processor: expected scores of shape {tuple(scores.shape)} (real floating), "
+                         f"got shape {tuple(out.shape)} of {dtype_name(out.dtype)}")
+    return out
+
+
+class _Prefill:
+    """A checked call after its prefill: the options, the last logits ``[b, rows]``, the state and
+    the tokens seen so far (``[b, vocab]`` bool, only for repetition_penalty)."""
+
+    def __init__(self, input_ids: Array, params: Params, config: Mamba2Config, attention_mask: Array | None,
+                 initial_state: Mamba2State | None, options: dict[str, Any]) -> None:
+        xp = check_params(params, config)
+        namespace(input_ids=input_ids, params=params["embedding.weight"])
+        rows = config.padded_vocab_size
+        if rows is None:
+            raise ValueError("config.vocab_size: generation needs a language model, got None")
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids: expected shape [b, l] with l >= 1, got {tuple(input_ids.shape)}")
+        check_token_ids("input_ids", input_ids, rows, xp=xp)
+        shapes = Shapes()
+        shapes.check("input_ids", input_ids, ("b", "l"))
+        if initial_state is not None:
+            _check_state(initial_state, config, params["embedding.weight"], shapes, "initial_state", xp=xp)
+        pad = None if attention_mask is None else check_attention_mask(attention_mask, shapes, "input_ids",
+                                                                       input_ids, xp=xp)
+        self.xp, self.input_ids, self.params, self.config = xp, input_ids, params, config
+        self.options = o = check_options(input_ids.shape[1], rows, **options)
+        self.last, self.state = _prefiller(config, xp)(input_ids, initial_state, pad, params)  # [b, rows]
+        valid = None if attention_mask is None else xp.astype(attention_mask, xp.bool)
+        self.seen = None if o.penalty is None else seen_tokens(input_ids, valid, o.vocab, xp=xp)
+
+    def tokens(self, return_state: bool) -> Iterator[Any]:
+        """The new tokens ``[b]`` one at a time, or ``(token, state)`` pairs with ``return_state``."""
+        xp, o, ids = self.xp, self.options, self.input_ids
+        rng = load("numpy").rng(o.seed) if o.temperature > 0 else None
+        step = _decoder(self.config, xp)
+        last, state, seen = self.last, self.state, self.seen
+        fill = None if o.fill is None else xp.full((ids.shape[0],), o.fill, dtype=ids.dtype, device=device(ids))
+        generated: list[Array] = []
+        finished = None
+        for i in range(o.new):
+            scores = last[:, :o.vocab]  # [b, vocab]
+            if seen is not None:
+                scores = penalize(scores, seen, o.penalty, xp=xp)
+            if i < o.min_new and o.eos:
+                scores = ban(scores, o.eos, xp=xp)
+            if o.processor is not None:
+                scores = _processed(o.processor, ids, generated, scores, xp=xp)
+            token = xp.astype(_choose(scores, o.temperature, o.top_k, o.top_p, rng, xp=xp), ids.dtype)  # [b]
+            fed = None if finished is None else xp.logical_not(finished)  # rows whose token is real
+            if finished is not None:
+                token = xp.where(finished, fill, token)
+            generated.append(token)
+            ends = finishing(token, generated, o, xp=xp)
+            if ends is not None:
+                finished = ends if finished is None else finished | ends
+            if seen is not None:
+                seen = add_seen(seen, token, xp=xp)
+            done = i + 1 == o.new or (finished is not None and bool(xp.all(finished)))
+            if return_state:
+                last, state = step(token, state, fed, self.params)
+                yield token, state
+            else:
+                yield token
+                if not done:
+                    last, state = step(token, state, None, self.params)
+            if done:
+                return
+
+
+def stream(input_ids: Array, params: Params, *, config: Mamba2Config, attention_mask: Array | None = None,
+           initial_state: Mamba2State | None = None, return_state: bool = False,
+           **options: Any) -> Iterator[Any]:
+    """The new tokens ``[b]`` (input_ids' dtype) one at a time, as they are chosen; with
+    ``return_state`` each comes as ``(token, state)``, the state covering it.
+
+    Arguments as :func:`generate`; they are all checked, and the prompt prefilled, before this returns.
     """
-    xp = check_params(params, config)
-    namespace(input_ids=input_ids, params=params["embedding.weight"])
-    rows = config.padded_vocab_size
-    if rows is None:
-        raise ValueError("config.vocab_size: generation needs a language model, got None")
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids: expected shape [b, l] with l >= 1, got {tuple(input_ids.shape)}")
-    check_token_ids("input_ids", input_ids, rows, xp=xp)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
-    temperature = _check_sampling(temperature, top_k, top_p)
-    vocab = rows if vocab_size is None else vocab_size
-    if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= rows:
-        raise ValueError(f"vocab_size: expected an int in [1, {rows}] (the logits' rows), got {vocab_size!r}")
-    if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
-                                     or not 0 <= eos_token_id < vocab):
-        raise ValueError(f"eos_token_id: expected None or an int in [0, {vocab}), got {eos_token_id!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed: expected an int or None, got {type(seed).__name__}")
-    rng = load("numpy").rng(seed) if temperature > 0 else None
-    return _tokens(input_ids, params, config, max_new_tokens, (temperature, top_k, top_p, rng),
-                   eos_token_id, vocab, xp=xp)
+    return _Prefill(input_ids, params, config, attention_mask, initial_state, options).tokens(return_state)
 
 
-def _tokens(input_ids: Array, params: Params, config: Mamba2Config, max_new_tokens: int, sampling: tuple,
-            eos: int | None, vocab: int, *, xp: Namespace) -> Iterator[Array]:
-    if max_new_tokens == 0:
-        return
-    out, state = lm_logits(input_ids, params, config=config, return_state=True)  # [b, l, rows]
-    last = out[:, -1, :]  # [b, rows]
-    finished = None
-    for i in range(max_new_tokens):
-        token = xp.astype(_choose(last[:, :vocab], *sampling, xp=xp), input_ids.dtype)  # [b]
-        if eos is not None:
-            eos_row = xp.full_like(token, eos)
-            token = token if finished is None else xp.where(finished, eos_row, token)
-            finished = token == eos_row
-        yield token
-        if i + 1 == max_new_tokens or (finished is not None and bool(xp.all(finished))):
-            return
-        last, state = logits_step(token, state, params, config=config)  # [b, rows]
-
-
-def generate(input_ids: Array, params: Params, *, config: Mamba2Config, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, eos_token_id: int | None = None,
-             vocab_size: int | None = None) -> Array:
+def generate(input_ids: Array, params: Params, *, config: Mamba2Config, attention_mask: Array | None = None,
+             initial_state: Mamba2State | None = None, return_state: bool = False,
+             **options: Any) -> Array | tuple[Array, Mamba2State]:
     """The prompt followed by up to ``max_new_tokens`` new tokens: ``input_ids [b, l] -> [b, l + new]``.
 
     Args:
         input_ids: integer prompt ids ``[b, l]`` (``l >= 1``) on the params' backend.
         params, config: a language model (``config.vocab_size`` set).
-        max_new_tokens: how many tokens to add (0 returns the prompt).
-        temperature, top_k, top_p: sampling (module docstring); ``temperature=0`` is greedy.
-        seed: seeds the host generator of the sampling noise (None: fresh entropy).
-        eos_token_id: a finished row keeps emitting it; all rows finished stops early.
-        vocab_size: only ids below it are chosen (checkpoints pad the vocabulary rows); default
-            all ``config.padded_vocab_size`` rows.
+        attention_mask: ``[b, l]`` left-padding mask (1/True tokens, 0/False padding): each row
+            gets the tokens it gets alone (:func:`left_pad`).
+        initial_state: a :class:`Mamba2State` the prompt continues (e.g. a previous call's).
+        return_state: also return the state after every returned token (finished rows: after
+            their eos or stop sequence), ready to continue with the next prompt.
+        **options: ``max_new_tokens`` (or ``max_length``: l plus the new tokens; max_new_tokens
+            wins), ``min_new_tokens``, ``do_sample`` (False: greedy; None: sample iff
+            ``temperature > 0``), ``temperature`` (default 1 with do_sample, else 0), ``top_k``,
+            ``top_p``, ``seed`` (the host generator of the sampling noise; None: fresh entropy),
+            ``repetition_penalty``, ``eos_token_id`` (an int or several), ``pad_token_id``
+            (finished rows' filler, default the first eos id), ``stop`` (token id sequences),
+            ``logits_processor`` (``(ids_so_far, scores) -> scores``) and ``vocab_size`` (only ids
+            below it are chosen; default all ``config.padded_vocab_size`` rows). See
+            :mod:`portable_ssm.generation_options`.
+
+    Returns:
+        ``[b, l + new]`` ids (``new <= max_new_tokens``: stops once every row finished), or
+        ``(ids, state)``.
     """
-    tokens = list(stream(input_ids, params, config=config, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                         eos_token_id=eos_token_id, vocab_size=vocab_size))
-    xp = namespace(input_ids=input_ids)
-    if not tokens:
-        return input_ids
-    return xp.concat([input_ids, xp.stack(tokens, axis=1)], axis=1)  # [b, l + new]
+    run = _Prefill(input_ids, params, config, attention_mask, initial_state, options)
+    xp, state = run.xp, run.state
+    tokens = []
+    for item in run.tokens(return_state):
+        token, state = item if return_state else (item, state)
+        tokens.append(token)
+    ids = input_ids if not tokens else xp.concat([input_ids, xp.stack(tokens, axis=1)], axis=1)  # [b, l + new]
+    return (ids, state) if return_state else ids

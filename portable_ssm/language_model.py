@@ -14,7 +14,7 @@ from typing import Any
 from ._array import Array, array_backend, device, dtype_name, namespace
 from .backends import load, to_backend
 from .config import Mamba2Config
-from .generation import check_token_ids, generate, stream
+from .generation import check_token_ids, generate, left_pad, stream
 from .io.checkpoint import save_params
 from .lm import logits as lm_logits
 from .params import Params, check_params
@@ -25,12 +25,14 @@ class Mamba2LM:
 
     Attributes: ``vocab_size`` (the real vocabulary; generation never picks the padding rows
     above it), ``eos_token_id`` (from the checkpoint's config, or None), ``layout``
-    (``"transformers" | "state-spaces" | "portable_ssm"``), ``checkpoint_dtype`` (as stored).
+    (``"transformers" | "state-spaces" | "portable_ssm"``), ``checkpoint_dtype`` (as stored),
+    ``generation_config`` (defaults for :meth:`generate` and :meth:`stream`, e.g. read from the
+    checkpoint's ``generation_config.json``; explicit arguments win).
     """
 
     def __init__(self, params: Params, config: Mamba2Config, *, vocab_size: int | None = None,
                  eos_token_id: int | None = None, layout: str = "portable_ssm",
-                 checkpoint_dtype: str | None = None) -> None:
+                 checkpoint_dtype: str | None = None, generation_config: dict[str, Any] | None = None) -> None:
         check_params(params, config)
         if config.vocab_size is None:
             raise ValueError("config.vocab_size: a language model needs a vocabulary, got None")
@@ -41,6 +43,7 @@ class Mamba2LM:
                              f"embedding rows), got {vocab_size!r}")
         self.eos_token_id, self.layout = eos_token_id, layout
         self.checkpoint_dtype = checkpoint_dtype or self.dtype
+        self.generation_config = dict(generation_config or {})
 
     @property
     def backend(self) -> str:
@@ -66,27 +69,53 @@ class Mamba2LM:
         namespace(input_ids=input_ids, params=self.params["embedding.weight"])
         return input_ids
 
-    def logits(self, input_ids: Any) -> Array:
-        """``input_ids [b, l]`` (array or nested list of ints) -> ``[b, l, rows]``, rows being the
-        checkpoint's embedding rows (``config.padded_vocab_size``)."""
+    def _batch(self, input_ids: Any, attention_mask: Any) -> tuple[Array, Array | None]:
+        """``(ids, mask)`` on the model's backend: a list of unequal prompts is left-padded (with 0,
+        masked); nested lists become arrays, arrays must already be there."""
+        if isinstance(input_ids, (list, tuple)) and attention_mask is None and input_ids and all(
+                isinstance(p, (list, tuple)) for p in input_ids) and len({len(p) for p in input_ids}) > 1:
+            input_ids, attention_mask = left_pad(input_ids)
         ids = self._ids(input_ids)
+        if isinstance(attention_mask, (list, tuple)):
+            attention_mask = to_backend(load("numpy").asarray(attention_mask, "int64", None), self.backend,
+                                        device=self.device)
+        return ids, attention_mask
+
+    def logits(self, input_ids: Any, attention_mask: Any = None) -> Array:
+        """``input_ids [b, l]`` (array or nested list of ints; prompts of unequal length are
+        left-padded) -> ``[b, l, rows]``, rows being the checkpoint's embedding rows
+        (``config.padded_vocab_size``); ``attention_mask [b, l]`` marks left padding."""
+        ids, mask = self._batch(input_ids, attention_mask)
         xp = namespace(input_ids=ids)
         check_token_ids("input_ids", ids, self.config.padded_vocab_size, xp=xp)
-        return lm_logits(ids, self.params, config=self.config)
+        return lm_logits(ids, self.params, config=self.config, attention_mask=mask)
 
-    def generate(self, input_ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 eos_token_id: int | None = None) -> Array:
+    def _options(self, max_new_tokens: int | None, options: dict[str, Any]) -> dict[str, Any]:
+        """``generation_config`` overridden by the explicit options (as in transformers, a default
+        max_new_tokens still wins over an explicit max_length)."""
+        explicit = {k: v for k, v in options.items() if v is not None}
+        if max_new_tokens is not None:
+            explicit["max_new_tokens"] = max_new_tokens
+        return {"vocab_size": self.vocab_size, **self.generation_config, **explicit}
+
+    def generate(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
+                 **options: Any) -> Array | tuple[Array, Any]:
         """``input_ids [b, l]`` -> ``[b, l + new]`` ids, greedy at temperature 0; see
-        :func:`portable_ssm.generation.generate` (cached prefill + one step per token)."""
-        return generate(self._ids(input_ids), self.params, config=self.config, max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        eos_token_id=eos_token_id, vocab_size=self.vocab_size)
+        :func:`portable_ssm.generation.generate` for the options (cached prefill + one step per token).
 
-    def stream(self, input_ids: Any, max_new_tokens: int, **sampling: Any) -> Iterator[Array]:
+        A list of prompts of unequal length is left-padded with 0 (``[b, longest + new]``; row i's
+        first ``longest - len(prompt i)`` ids are padding) and every row gets the tokens it gets
+        alone. Unset options come from :attr:`generation_config`."""
+        ids, mask = self._batch(input_ids, attention_mask)
+        return generate(ids, self.params, config=self.config, attention_mask=mask,
+                        **self._options(max_new_tokens, options))
+
+    def stream(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
+               **options: Any) -> Iterator[Any]:
         """The new tokens ``[b]`` one at a time (arguments as :meth:`generate`)."""
-        return stream(self._ids(input_ids), self.params, config=self.config, max_new_tokens=max_new_tokens,
-                      vocab_size=self.vocab_size, **sampling)
+        ids, mask = self._batch(input_ids, attention_mask)
+        return stream(ids, self.params, config=self.config, attention_mask=mask,
+                      **self._options(max_new_tokens, options))
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes a :func:`portable_ssm.save_params` file that :func:`portable_ssm.load_pretrained` reads."""

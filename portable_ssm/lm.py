@@ -8,13 +8,15 @@ the backbone and ``lm_head.weight`` (``embedding.weight`` itself when ``tie_embe
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ._array import Array, Namespace
 from ._checks import Shapes
 from .config import Mamba2Config
-from .mixer import _linear, mixer_step
-from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, check_backends, run_sequence
+from .mixer import _linear, mixer, mixer_step
+from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, check_backends, pool_blocks, run_sequence
+from .padding import padded_layer
 from .params import Params, check_params
 
 
@@ -42,8 +44,8 @@ def embed(ids: Array, params: Params, *, xp: Namespace) -> Array:
 
 def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
            initial_state: Mamba2State | None = None, return_state: bool = False,
-           seq_idx: Array | None = None, layer: Callable[..., Any] | None = None
-           ) -> Array | tuple[Array, Mamba2State]:
+           seq_idx: Array | None = None, layer: Callable[..., Any] | None = None,
+           attention_mask: Array | None = None) -> Array | tuple[Array, Mamba2State]:
     """Next-token logits ``[b, l, padded_vocab]`` for ``input_ids [b, l]`` (integers).
 
     With ``initial_state`` the ids continue an earlier sequence; ``return_state`` also returns the
@@ -51,11 +53,14 @@ def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
     non-decreasing along l) marks packed sequences: state and conv window reset wherever it
     changes; initial_state feeds each row's first sequence, the returned state is its last one's.
     ``layer`` stands in for each layer's mixer, as in :func:`portable_ssm.forward`.
+    ``attention_mask [b, l]`` (1/True tokens, 0/False left padding): each row gives what it gives
+    alone without its padding, as in :func:`portable_ssm.forward`.
     """
     xp = check_params(params, config)
     check_backends("input_ids", input_ids, params, initial_state, "initial_state")
     shapes = _check_ids(input_ids, config, ("b", "l"), xp=xp)
     run = _sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp, layer=layer)
+    run = padded_layer(run, attention_mask, seq_idx, shapes, "input_ids", input_ids, xp=xp)
     x = embed(input_ids, params, xp=xp)  # [b, l, d_model]
     if initial_state is not None:
         _check_state(initial_state, config, x, shapes, "initial_state", xp=xp)
@@ -64,13 +69,37 @@ def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
     return (out, state) if return_state else out
 
 
-def logits_step(token: Array, state: Mamba2State, params: Params, *,
-                config: Mamba2Config) -> tuple[Array, Any]:
-    """One decode step: ``token [b]`` (integers) -> ``(logits [b, padded_vocab], new_state)``."""
+def logits_step(token: Array, state: Mamba2State, params: Params, *, config: Mamba2Config,
+                state_batch_indices: Array | None = None) -> tuple[Array, Any]:
+    """One decode step: ``token [b]`` (integers) -> ``(logits [b, padded_vocab], new_state)``.
+
+    With ``state_batch_indices [b]`` (distinct integers) ``state`` is a pool of ``[pool, ...]``
+    states: row i reads and updates slot ``state_batch_indices[i]`` and the new pool is returned
+    (:mod:`portable_ssm.state_pool`)."""
     xp = check_params(params, config)
     check_backends("token", token, params, state)
     shapes = _check_ids(token, config, ("b",), xp=xp)
+    if state_batch_indices is not None:
+        x = embed(token, params, xp=xp)  # [b, d_model]
+        hidden, state = pool_blocks(x, state, state_batch_indices, params, config, "token", token, xp=xp)
+        return _linear(hidden, head_weight(params, config), None, xp=xp), state
+    _check_state(state, config, params["embedding.weight"], shapes, "state", xp=xp)  # x's dtype and device
+    return decode(token, state, params, config=config, xp=xp)
+
+
+def prefill(input_ids: Array, state: Mamba2State | None, pad: Array | None, params: Params, *,
+            config: Mamba2Config, xp: Namespace) -> tuple[Array, Mamba2State]:
+    """:func:`logits` on checked arguments for the last position only: ``(logits [b, padded_vocab]
+    after the last token, state)``; ``pad [b]``: left-padding lengths or None (what generation runs,
+    compiled on JAX)."""
+    run = mixer if pad is None else partial(mixer, pad=pad)
+    hidden, state = run_sequence(embed(input_ids, params, xp=xp), params, config, state, run, xp=xp)
+    return _linear(hidden[:, -1, :], head_weight(params, config), None, xp=xp), state
+
+
+def decode(token: Array, state: Mamba2State, params: Params, *, config: Mamba2Config,
+           xp: Namespace) -> tuple[Array, Mamba2State]:
+    """:func:`logits_step` on checked arguments (what generation runs, compiled on JAX)."""
     x = embed(token, params, xp=xp)  # [b, d_model]
-    _check_state(state, config, x, shapes, "state", xp=xp)
     hidden, state = _blocks(x, params, config, state, mixer_step, xp=xp)
     return _linear(hidden, head_weight(params, config), None, xp=xp), state

@@ -18,6 +18,7 @@ from .config import Mamba2Config
 from .conv import causal_conv1d_silu, conv_step
 from .discretize import delta
 from .norm import gated_rms_norm, rms_norm_then_gate
+from .padding import padded_conv, unpadded_delta
 from .recurrence import recurrence_step
 from .ssd import ssd_chunked
 from .ssm_inputs import heads_from_groups, skip_and_gate
@@ -102,20 +103,26 @@ def _fused_decode(c: Mamba2Config, *, xp: Namespace) -> Any:
 
 def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | None,
           ssm_state: Array | None, *, xp: Namespace,
-          seq_idx: Array | None = None) -> tuple[Array, Array, Array]:
+          seq_idx: Array | None = None, pad: Array | None = None) -> tuple[Array, Array, Array]:
     """One Mamba-2 layer over a sequence: ``u [b, l, d_model]`` with layer params ``p`` (names
     relative to ``mixer.``). Returns ``(out [b, l, d_model], conv_state [b, conv_dim, k],
     ssm_state [b, h, p, n])``. ``seq_idx [b, l]``: run ids of packed sequences (the incoming
-    states feed each row's first sequence, the returned ones are its last sequence's), or None."""
+    states feed each row's first sequence, the returned ones are its last sequence's), or None.
+    ``pad [b]``: each row's left-padding length (:mod:`portable_ssm.padding`), or None."""
     b, l, _ = u.shape
     mlp, z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
-    xBC, conv_state = causal_conv1d_silu(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp, seq_idx=seq_idx)
+    if pad is None:
+        xBC, conv_state = causal_conv1d_silu(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp, seq_idx=seq_idx)
+    else:
+        xBC, conv_state = padded_conv(causal_conv1d_silu, xBC, conv_w, p.get("conv1d.bias"), conv_state, pad, xp=xp)
     x, B, C = _split_xbc(xBC, c, xp=xp)
 
     cdtype = compute_dtype(xp, u.dtype)
     A, D = _ssm_params(p, c, cdtype, xp=xp)
     step = delta(dt, p["dt_bias"], True, c.dt_limit, xp=xp)  # Δ [b, l, h]
+    if pad is not None:
+        step = unpadded_delta(step, pad, xp=xp)
     x, B, C = (xp.astype(v, cdtype, copy=False) for v in (x, B, C))
     y, ssm_state = ssd_chunked(x, xp.astype(step, cdtype, copy=False), A, B, C, chunk_size=None,
                                initial_states=ssm_state, seq_idx=seq_idx, D=D, xp=xp)

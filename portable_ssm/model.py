@@ -20,8 +20,10 @@ from .backends import to_backend
 from .config import Mamba2Config, default_config
 from .mixer import mixer, mixer_step
 from .norm import rms_norm
+from .padding import padded_layer
 from .params import Params, check_params, init_params
 from .ssm_inputs import check_seq_idx, sequence_runs
+from .state_pool import check_state_batch_indices, gather_state, scatter_state
 
 
 class Mamba2State(NamedTuple):
@@ -178,6 +180,16 @@ def _blocks(x: Array, params: Params, config: Mamba2Config, state: Mamba2State |
     return out, Mamba2State(conv=tuple(convs), ssm=tuple(ssms))
 
 
+def pool_blocks(x: Array, pool: Mamba2State, indices: Array, params: Params, config: Mamba2Config,
+                ref_name: str, ref: Array, *, xp: Namespace) -> tuple[Array, Mamba2State]:
+    """One token ``x [b, d_model]`` through the stack on the slots ``indices [b]`` of a state pool
+    (checked here, against ``ref``): ``(y [b, d_model], the new pool)``."""
+    _check_state(pool, config, x, Shapes(), "state", xp=xp)  # its own b: the pool's size
+    check_state_batch_indices(indices, pool.ssm[0].shape[0], x.shape[0], ref_name, ref, xp=xp)
+    y, rows = _blocks(x, params, config, gather_state(pool, indices, xp=xp), mixer_step, xp=xp)
+    return y, scatter_state(pool, indices, rows, xp=xp)
+
+
 #: Tokens taken through every layer at a time by :func:`run_sequence`, the states carried from
 #: block to block: the same result, but each layer's intermediates stay small enough for the cache
 #: (a 130m layer at l=8192 on NumPy: about 1.2x faster than one block, and 5% faster than blocks
@@ -202,7 +214,8 @@ def run_sequence(x: Array, params: Params, config: Mamba2Config, state: Mamba2St
 def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | None = None,
             backend: str | None = None, device: Any = None, initial_state: Mamba2State | None = None,
             return_state: bool = False, seq_idx: Array | None = None,
-            layer: Callable[..., Any] | None = None) -> Array | tuple[Array, Mamba2State]:
+            layer: Callable[..., Any] | None = None,
+            attention_mask: Array | None = None) -> Array | tuple[Array, Mamba2State]:
     """The Mamba-2 backbone over a sequence: ``x [b, l, d_model] -> [b, l, d_model]``.
 
     Equal to transformers' ``Mamba2Model(inputs_embeds=x).last_hidden_state`` for the same weights.
@@ -226,6 +239,10 @@ def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | No
         layer: a stand-in for each layer's :func:`portable_ssm.mixer.mixer`, called with its
             arguments, e.g. ``partial(torch.utils.checkpoint.checkpoint, mixer, use_reentrant=False)``
             to recompute activations in backward. A stand-in sees the whole sequence (no token blocks).
+        attention_mask: optional ``[b, l]`` left-padding mask on x's backend (1/True for tokens,
+            0/False for padding, transformers' semantics): each row gives, at its tokens and in its
+            state, what it gives alone without its padding (:mod:`portable_ssm.padding`; a mask
+            with holes or right padding is a ValueError; not with seq_idx).
 
     Returns:
         ``y [b, l, d_model]`` in x's dtype, or ``(y, state)``.
@@ -235,24 +252,30 @@ def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | No
     check_backends("x", x, params, initial_state, "initial_state")
     shapes = _check_x(x, params, config, ("b", "l", "d_model"), xp=xp)
     run = _sequence_mixer(seq_idx, shapes, "x", x, xp=xp, layer=layer)
+    run = padded_layer(run, attention_mask, seq_idx, shapes, "x", x, xp=xp)
     if initial_state is not None:
         _check_state(initial_state, config, x, shapes, "initial_state", xp=xp)
     y, state = run_sequence(x, params, config, initial_state, run, xp=xp)
     return (y, state) if return_state else y
 
 
-def step(x_t: Array, state: Mamba2State | None, params: Params, *,
-         config: Mamba2Config) -> tuple[Array, Mamba2State]:
+def step(x_t: Array, state: Mamba2State | None, params: Params, *, config: Mamba2Config,
+         state_batch_indices: Array | None = None) -> tuple[Array, Mamba2State]:
     """One token through the stack: ``x_t [b, d_model]`` -> ``(y_t [b, d_model], new_state)``.
 
     ``state`` comes from ``forward(..., return_state=True)``, a previous ``step`` or
     :func:`empty_state` (``None`` means zeros). The input state is not modified.
+    With ``state_batch_indices [b]`` (distinct integers) ``state`` is a pool of ``[pool, ...]``
+    states: row i reads and updates slot ``state_batch_indices[i]``, and the returned state is the
+    whole new pool (:mod:`portable_ssm.state_pool`).
     """
     if not isinstance(config, Mamba2Config):
         raise TypeError(f"config: expected a Mamba2Config, got {type(config).__name__}")
     xp = check_params(params, config)
     check_backends("x_t", x_t, params, state)
     shapes = _check_x(x_t, params, config, ("b", "d_model"), xp=xp)
+    if state_batch_indices is not None:
+        return pool_blocks(x_t, state, state_batch_indices, params, config, "x_t", x_t, xp=xp)
     if state is None:
         state = empty_state(config, x_t.shape[0], x_t)
     _check_state(state, config, x_t, shapes, "state", xp=xp)

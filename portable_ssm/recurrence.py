@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 
-from ._array import Array, Namespace, device
+from ._array import Array, Namespace, device, namespace
 from .ssm_inputs import check_chunk_size, check_scan_inputs, heads_from_groups, skip_and_gate, within
+from .state_pool import check_state_batch_indices, gather_rows, scatter_rows
 
 
 def recurrence_step(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, *,
@@ -66,23 +67,37 @@ def selective_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_s
 
 def ssd_step(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: Array | None = None,
              z: Array | None = None, dt_bias: Array | None = None, dt_softplus: bool = False,
-             dt_limit: tuple[float, float] = (0.0, math.inf)) -> tuple[Array, Array]:
+             dt_limit: tuple[float, float] = (0.0, math.inf),
+             state_batch_indices: Array | None = None) -> tuple[Array, Array]:
     """One token of the recurrence, mamba_ssm's ``selective_state_update`` without mutation.
 
     Args:
         state: ``[b, h, p, n]`` in the compute dtype (float32, or float64 for float64 x).
         x: ``[b, h, p]``; dt: ``[b, h]``; A: ``[h]``; B, C: ``[b, g, n]``; D: ``[h]`` or ``[h, p]``;
         z: like x. dt_bias, dt_softplus, dt_limit as in :func:`portable_ssm.discretize`.
+        state_batch_indices: optional ``[b]`` distinct integers: ``state`` is then a pool
+            ``[pool, h, p, n]`` and row i reads and updates slot ``state_batch_indices[i]``
+            (mamba_ssm's argument, :mod:`portable_ssm.state_pool`).
 
     Returns:
-        ``(y [b, h, p] in x's dtype, new_state [b, h, p, n])``; ``state`` is left untouched.
+        ``(y [b, h, p] in x's dtype, new_state [b, h, p, n])`` (with ``state_batch_indices``: the
+        whole new pool); ``state`` is left untouched.
     """
     if state is None:
         raise TypeError("state: expected a [b, h, p, n] array, got None")
+    pool = state
+    if state_batch_indices is not None:
+        xp = namespace(state=state, x=x)
+        if state.ndim != 4:
+            raise ValueError(f"state: expected a pool [pool, h, p, n], got shape {tuple(state.shape)}")
+        check_state_batch_indices(state_batch_indices, state.shape[0], x.shape[0], "x", x, xp=xp)
+        state = gather_rows(pool, state_batch_indices, xp=xp)  # [b, h, p, n]
     s = check_scan_inputs(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                           dt_limit=dt_limit, states=state, states_name="state", step=True)
     xp = s.xp
     h = s.x.shape[1]
     y, new_state = recurrence_step(s.states, s.x, s.dt, s.A, heads_from_groups(s.B, h, xp=xp),
                                    heads_from_groups(s.C, h, xp=xp), xp=xp)
+    if state_batch_indices is not None:
+        new_state = scatter_rows(pool, state_batch_indices, new_state, xp=xp)
     return xp.astype(skip_and_gate(y, s.x, s.D, s.z, xp=xp), s.out_dtype, copy=False), new_state

@@ -42,12 +42,12 @@ def test_greedy_tokens_equal_argmax_of_the_full_forward_at_every_step(xp):
 
 def test_generation_prefills_once_then_steps_one_token_at_a_time(monkeypatch):
     calls = []
-    for name in ("lm_logits", "logits_step"):
+    for name in ("prefill", "decode"):
         real = getattr(generation, name)
         monkeypatch.setattr(generation, name, lambda ids, *a, _real=real, _name=name, **k:
                             calls.append((_name, tuple(ids.shape))) or _real(ids, *a, **k))
     generate(prompt(), HOST, config=CONFIG, max_new_tokens=4)
-    assert calls == [("lm_logits", (2, 13))] + [("logits_step", (2,))] * 3
+    assert calls == [("prefill", (2, 13))] + [("decode", (2,))] * 3
 
 
 def test_batch_rows_are_generated_as_they_would_be_alone():

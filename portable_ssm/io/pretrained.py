@@ -24,6 +24,7 @@ from ..backends import load, to_backend
 from ..language_model import Mamba2LM
 from .checkpoint import load_params
 from .errors import CheckpointError
+from .generation_config import read_generation_config
 from .layouts import Tensors, config_fields, sanitize
 
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
@@ -135,4 +136,5 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
     eos = raw.get("eos_token_id")
     layout = "transformers" if "hidden_size" in raw else "state-spaces"
     return Mamba2LM(params, config, vocab_size=vocab, eos_token_id=eos if isinstance(eos, int) else None,
-                    layout=layout, checkpoint_dtype=stored)
+                    layout=layout, checkpoint_dtype=stored,
+                    generation_config=read_generation_config(path))
