@@ -29,28 +29,20 @@ from ._array import Array, Namespace, array_backend, compute_dtype, constant, de
 from ._checks import check_positive_int
 from .backends import load, to_backend
 from .config import Mamba2Config
+from .lm import check_token_ids, logits_step
 from .lm import logits as lm_logits
-from .lm import logits_step
 from .params import Params, check_params
 
 
 def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature: expected a number >= 0 (0 is greedy), got {temperature!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0
+            or not math.isfinite(temperature)):
+        raise ValueError(f"temperature: expected a finite number >= 0 (0 is greedy), got {temperature!r}")
     check_positive_int("top_k", top_k, allow_none=True)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not 0 < top_p <= 1):
         raise ValueError(f"top_p: expected a number in (0, 1] or None, got {top_p!r}")
     return float(temperature)
-
-
-def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
-    """ValueError unless every id of the integer array ``ids`` lies in ``[0, rows)`` (one host sync)."""
-    if not xp.isdtype(ids.dtype, "integral"):
-        raise TypeError(f"{name}: expected an integer dtype, got {dtype_name(ids.dtype)}")
-    if ids.size and (bool(xp.any(ids < 0)) or bool(xp.any(ids >= rows))):
-        raise ValueError(f"{name}: expected token ids in [0, {rows}), got ids from {int(xp.min(ids))} "
-                         f"to {int(xp.max(ids))}")
 
 
 def _mask_below(scores: Array, threshold: Array, *, xp: Namespace) -> Array:
@@ -130,6 +122,10 @@ def stream(input_ids: Array, params: Params, *, config: Mamba2Config, max_new_to
     vocab = rows if vocab_size is None else vocab_size
     if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= rows:
         raise ValueError(f"vocab_size: expected an int in [1, {rows}] (the logits' rows), got {vocab_size!r}")
+    if xp.iinfo(input_ids.dtype).max < vocab - 1:  # new tokens come back in input_ids' dtype: they must fit
+        raise TypeError(f"input_ids: dtype {dtype_name(input_ids.dtype)} holds ids up to "
+                        f"{xp.iinfo(input_ids.dtype).max} but new tokens go up to {vocab - 1}; "
+                        f"pass int32 or int64 ids")
     if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
                                      or not 0 <= eos_token_id < vocab):
         raise ValueError(f"eos_token_id: expected None or an int in [0, {vocab}), got {eos_token_id!r}")
@@ -166,7 +162,10 @@ def generate(input_ids: Array, params: Params, *, config: Mamba2Config, max_new_
     """The prompt followed by up to ``max_new_tokens`` new tokens: ``input_ids [b, l] -> [b, l + new]``.
 
     Args:
-        input_ids: integer prompt ids ``[b, l]`` (``l >= 1``) on the params' backend.
+        input_ids: integer prompt ids ``[b, l]`` (``l >= 1``) on the params' backend. New tokens
+            come back in its dtype, so a dtype that cannot hold every id below ``vocab_size``
+            (uint8 or int8 for a vocabulary over 256 or 128 rows) raises TypeError instead of
+            wrapping; float ids raise TypeError instead of being truncated.
         params, config: a language model (``config.vocab_size`` set).
         max_new_tokens: how many tokens to add (0 returns the prompt).
         temperature, top_k, top_p: sampling (module docstring); ``temperature=0`` is greedy.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._array import Array, Namespace, namespace
+from ._array import Array, Namespace, dtype_name, namespace
 from ._checks import Shapes
 from .config import Mamba2Config
 from .mixer import _linear, mixer_step
@@ -18,14 +18,32 @@ from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, run_sequ
 from .params import Params, check_params
 
 
-def _check_ids(ids: Array, config: Mamba2Config, spec: tuple[str, ...], *, xp: Namespace) -> Shapes:
+def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
+    """TypeError unless ``ids`` has an integer dtype (float ids are never truncated, bool ids never
+    read as 0/1); ValueError unless every id lies in ``[0, rows)`` (one host sync)."""
+    if not xp.isdtype(ids.dtype, "integral"):
+        raise TypeError(f"{name}: expected an integer dtype, got {dtype_name(ids.dtype)}")
+    if ids.size and (bool(xp.any(ids < 0)) or bool(xp.any(ids >= rows))):
+        raise ValueError(f"{name}: expected token ids in [0, {rows}), got ids from {int(xp.min(ids))} "
+                         f"to {int(xp.max(ids))}")
+
+
+def _check_ids(ids: Array, config: Mamba2Config, spec: tuple[str, ...], *, xp: Namespace,
+               name: str = "input_ids") -> Shapes:
+    shapes = Shapes()
+    if not xp.isdtype(ids.dtype, "integral"):
+        raise TypeError(f"{name}: expected an integer dtype, got {dtype_name(ids.dtype)}")
+    shapes.check(name, ids, spec)
+    check_token_ids(name, ids, config.padded_vocab_size, xp=xp)
+    return shapes
+
+
+def _check_lm(params: Params, config: Mamba2Config) -> Namespace:
+    """``check_params`` for a language model: ValueError unless ``config.vocab_size`` is set."""
+    xp = check_params(params, config)
     if config.vocab_size is None:
         raise ValueError("config.vocab_size: a language model needs a vocabulary, got None")
-    if not xp.isdtype(ids.dtype, "integral"):
-        raise TypeError(f"input_ids: expected an integer dtype, got {ids.dtype}")
-    shapes = Shapes()
-    shapes.check("input_ids", ids, spec)
-    return shapes
+    return xp
 
 
 def head_weight(params: Params, config: Mamba2Config) -> Array:
@@ -52,7 +70,7 @@ def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
     changes; initial_state feeds each row's first sequence, the returned state is its last one's.
     ``layer`` stands in for each layer's mixer, as in :func:`portable_ssm.forward`.
     """
-    xp = check_params(params, config)
+    xp = _check_lm(params, config)
     namespace(input_ids=input_ids, params=params["embedding.weight"])
     shapes = _check_ids(input_ids, config, ("b", "l"), xp=xp)
     run = _sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp, layer=layer)
@@ -67,9 +85,9 @@ def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
 def logits_step(token: Array, state: Mamba2State, params: Params, *,
                 config: Mamba2Config) -> tuple[Array, Any]:
     """One decode step: ``token [b]`` (integers) -> ``(logits [b, padded_vocab], new_state)``."""
-    xp = check_params(params, config)
+    xp = _check_lm(params, config)
     namespace(token=token, params=params["embedding.weight"])
-    shapes = _check_ids(token, config, ("b",), xp=xp)
+    shapes = _check_ids(token, config, ("b",), xp=xp, name="token")
     x = embed(token, params, xp=xp)  # [b, d_model]
     _check_state(state, config, x, shapes, "state", xp=xp)
     hidden, state = _blocks(x, params, config, state, mixer_step, xp=xp)
