@@ -71,19 +71,23 @@ def poisonings(draw):
     s = dict(zip("b l h p g n".split(), draw(st.sampled_from(SHAPES))))
     return dict(s=s, name=draw(st.sampled_from(("x", "dt", "B", "C"))), row=draw(st.integers(0, s["b"] - 1)),
                 t=draw(st.integers(0, s["l"] - 1)), value=draw(st.sampled_from(BAD)),
-                Q=draw(st.sampled_from((None, 5, 16))), seed=draw(st.integers(0, 2**16)))
+                Q=draw(st.sampled_from((None, 5, 16))), seed=draw(st.integers(0, 2**16)),
+                dtype=draw(st.sampled_from(("float64", "float32"))))
 
 
 @SETTINGS
 @given(case=poisonings())
-@example(case=dict(s=dict(b=1, l=64, h=2, p=2, g=1, n=3), name="x", row=0, t=40, value=math.nan, Q=64, seed=0))
-@example(case=dict(s=dict(b=2, l=9, h=2, p=3, g=2, n=2), name="B", row=1, t=8, value=math.inf, Q=None, seed=1))
+@example(case=dict(s=dict(b=1, l=64, h=2, p=2, g=1, n=3), name="x", row=0, t=40, value=math.nan, Q=64, seed=0,
+                       dtype="float32"))
+@example(case=dict(s=dict(b=2, l=9, h=2, p=3, g=2, n=2), name="B", row=1, t=8, value=math.inf, Q=None, seed=1,
+                       dtype="float64"))
 def test_non_finite_input_at_t_never_changes_the_scan_before_t(xp, path, case):
     s, name, row, t = case["s"], case["name"], case["row"], case["t"]
     if path == "native" and xp.name != "numpy":
         pytest.skip("only numpy has a native scan on the CPU matrix")
     rng = np.random.default_rng(case["seed"])
-    host = scan_inputs(case["seed"], s["b"], s["l"], s["h"], s["p"], s["g"], s["n"])
+    host = {k: v.astype(case["dtype"]) for k, v in
+            scan_inputs(case["seed"], s["b"], s["l"], s["h"], s["p"], s["g"], s["n"]).items()}
     bad = _poisoned(host, name, row, t, case["value"], rng)
     kw = dict(chunk_size=case["Q"], dt_softplus=True)
     clean = xp.numpy(xp.call(ps.ssd_scan, **{k: xp.asarray_from(v) for k, v in host.items()}, **kw))

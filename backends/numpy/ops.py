@@ -219,6 +219,9 @@ def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     step[..., :l] = dt.transpose(0, 2, 1)  # Δ [b, r, c·Q]
     a_all = (step * A[:, None]).reshape(b, r, c, Q)  # A·Δ <= 0 per chunk
     acs_all = np.cumsum(a_all, axis=-1)  # from the chunk's start
+    # float32: the segsum as differences of float64 prefix sums, which keep the digits a float32
+    # difference would lose (error ~1e-16·|Σ A·Δ|), at a tenth of the cost of the column sums float64 takes
+    prefix = np.cumsum(a_all, axis=-1, dtype=np.float64) if dtype == np.float32 else None
     suffix = np.zeros_like(a_all)  # Σ_{k>s} A·Δ_k: a suffix sum, not acs[-1] - acs[s] (which loses its digits)
     np.cumsum(a_all[..., :0:-1], axis=-1, out=suffix[..., -2::-1])
     from_start = np.ascontiguousarray(ssd.decay(acs_all, xp=xp).transpose(0, 2, 3, 1))  # [b, c, Q, r]
@@ -234,7 +237,8 @@ def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
             buffers, ((b, r, q, q), (b, r, q, p), (b, q, r * p), (b, n, r * p))))
         Bt, Cc = np.swapaxes(B[:, t0:t1], 1, 2), C[:, t0:t1]  # [b, n, q], [b, q, n]
         xc, out = x[:, t0:t1], y[:, t0:t1]  # [b, q, r, p], a view of y
-        chunk = (a_all[:, :, i, :q], step[:, :, t0:t1], Bt, Cc, xc, from_start[:, i, :q], flat)
+        chunk = (a_all[:, :, i, :q] if prefix is None else prefix[:, :, i, :q], step[:, :, t0:t1], Bt, Cc, xc,
+                 from_start[:, i, :q], flat)
         _chunk_output(*chunk, D, above[:q, :q], below[:q, :q], floor, M, xh, Y_off, out, safe=False)
         if not np.isfinite(out).all():  # a non-finite input: redo the chunk so it cannot reach earlier steps
             _chunk_output(*chunk, D, above[:q, :q], below[:q, :q], floor, M, xh, Y_off, out,
@@ -253,16 +257,18 @@ def _chunk_output(a: np.ndarray, step: np.ndarray, Bt: np.ndarray, Cc: np.ndarra
                   out: np.ndarray, *, safe: np.ndarray | bool) -> None:
     """One chunk's outputs into ``out [b, q, r, p]``: the diagonal block ``((C Bᵀ) ⊙ exp(segsum) · Δ_j) x``
     plus the entering state ``flat [b, n, r·p]`` read by C and decayed to each step. ``a``, ``step``
-    ``[b, r, q]`` (A·Δ, Δ), ``Bt [b, n, q]``, ``Cc [b, q, n]``, ``xc [b, q, r, p]``, ``from_start [b, q, r]``;
+    ``[b, r, q]`` (A·Δ, or for float32 its float64 prefix sums; Δ), ``Bt [b, n, q]``, ``Cc [b, q, n]``,
+    ``xc [b, q, r, p]``, ``from_start [b, q, r]``;
     ``M``, ``xh``, ``Y_off`` are scratch. ``safe`` (the ``[q, q]`` mask of j > i) keeps non-finite
     inputs of step t out of every row before t (0·nan is nan in a matmul): the upper triangle of M
     is zeroed after its products, non-finite x·Δ enter the matmul as 0 and come back as nan for
     rows t and after (``portable_ssm.ssd.poison``)."""
     b, q, r, p = xc.shape
-    # segsum as a cumulative sum down each column of the masked step exponents (ssd.stable_segsum);
-    # a non-finite a[k] spills only into rows k and after
-    np.multiply(a[..., :, None], below, out=M)
-    np.add.accumulate(M, axis=-2, out=M)  # [b, r, q, q]
+    if a.dtype == M.dtype:  # segsum as a cumulative sum down each column (ssd.stable_segsum)
+        np.multiply(a[..., :, None], below, out=M)  # a non-finite a[k] spills only into rows k and after
+        np.add.accumulate(M, axis=-2, out=M)  # [b, r, q, q]
+    else:  # float32 M from float64 prefix sums (a non-finite one reaches rows before it only above
+        np.subtract(a[..., :, None], a[..., None, :], out=M, casting="same_kind")  # the diagonal: see safe)
     np.maximum(M, floor, out=M)
     M += above
     np.exp(M, out=M)
