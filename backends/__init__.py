@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from .._array import Array, Namespace, array_backend, backend_name
+from .._checks import DTYPE_NAMES, check_dtype_name
 
 NAMES = ("numpy", "torch", "jax", "cupy", "array_api_strict")
 _INSTALL_HINT = {"torch": "pip install 'portable-ssm[torch]'", "jax": "pip install 'portable-ssm[jax]'",
@@ -57,6 +58,7 @@ def to_backend(x: Array, backend: str, *, device: Any = None, dtype: str | None 
     """
     target = load(backend)
     source = array_backend(x)
+    check_dtype_name("dtype", dtype, DTYPE_NAMES, allow_none=True)
     if source == backend and device is None and dtype is None:
         return x
     if source == backend:

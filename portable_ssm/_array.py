@@ -10,6 +10,7 @@ standard functions so they run on array-api-strict.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import array_api_compat
@@ -76,6 +77,17 @@ def same_device(x: Array, y: Array) -> bool:
     tracer under ``jax.grad``/``jax.vmap`` is placed only when the transform runs)."""
     dx, dy = device(x), device(y)
     return dx is None or dy is None or str(dx) == str(dy)
+
+
+def is_traced(x: Array) -> bool:
+    """Whether ``x`` stands for values not known yet, so none can be read on the host: a JAX tracer
+    (under ``jit``/``grad``/``vmap``), or any tensor while ``torch.compile`` traces. Reads only
+    frameworks already loaded."""
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.core.Tracer):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
 
 
 def dtype_name(dtype: Any) -> str:

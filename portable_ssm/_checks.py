@@ -91,3 +91,45 @@ def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> No
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> int:
+    """``value`` if it is an int ``>= minimum`` (or None when allowed): TypeError for a non-int
+    (bool, float and str included), ValueError below the minimum."""
+    if value is None and allow_none:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> None:
+    """TypeError unless ``value`` is a bool (no 0/1, no strings)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+
+
+def check_given(**arrays: Any) -> None:
+    """TypeError naming the first required array argument that is None."""
+    for name, value in arrays.items():
+        if value is None:
+            raise TypeError(f"{name}: expected an array, got None")
+
+
+#: The dtype names parameters and activations may take.
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: Every dtype name :func:`portable_ssm.to_backend` converts to.
+DTYPE_NAMES = (*FLOAT_DTYPES, "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool")
+
+
+def check_dtype_name(name: str, value: Any, allowed: tuple[str, ...] = FLOAT_DTYPES, *,
+                     allow_none: bool = False) -> None:
+    """ValueError unless ``value`` is one of the ``allowed`` dtype names (TypeError for a non-str)."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a dtype name ({', '.join(allowed)}), got {type(value).__name__}")
+    if value not in allowed:
+        raise ValueError(f"{name}: expected one of {', '.join(allowed)}, got {value!r}")

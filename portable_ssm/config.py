@@ -50,12 +50,15 @@ class Mamba2Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Mamba2Config.{name}: expected a positive int, got {value!r}")
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
+                                            or self.vocab_size <= 0):
+            raise ValueError(f"Mamba2Config.vocab_size: expected None or a positive int, got {self.vocab_size!r}")
         for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "conv_bias", "bias", "residual_in_fp32",
                      "tie_embeddings", "rescale_prenorm_residual"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Mamba2Config.{name}: expected True or False, got {getattr(self, name)!r}")
-        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size <= 0):
-            raise ValueError(f"Mamba2Config.vocab_size: expected None or a positive int, got {self.vocab_size!r}")
+                raise TypeError(f"Mamba2Config.{name}: expected True or False, got {getattr(self, name)!r}")
+        for name in ("dt_min", "dt_max", "dt_init_floor", "norm_eps", "initializer_range"):
+            _finite(name, getattr(self, name))
         self._check_d_ssm()
         if self.ssm_dim % self.headdim:
             what = "d_ssm" if self.d_mlp else "d_inner = expand*d_model"
@@ -69,16 +72,18 @@ class Mamba2Config:
                              f"got {self.dt_min}, {self.dt_max}")
         if self.dt_init_floor < 0:
             raise ValueError(f"Mamba2Config.dt_init_floor: expected >= 0, got {self.dt_init_floor}")
-        low, high = self.dt_limit
+        if self.initializer_range < 0:
+            raise ValueError(f"Mamba2Config.initializer_range: expected >= 0, got {self.initializer_range}")
+        low, high = _pair("dt_limit", self.dt_limit)
         if not 0 <= low < high:
             raise ValueError(f"Mamba2Config.dt_limit: expected 0 <= low < high, got {self.dt_limit}")
-        lo, hi = self.A_init_range
-        if not 0 < lo <= hi:
-            raise ValueError(f"Mamba2Config.A_init_range: expected 0 < low <= high, got {self.A_init_range}")
+        lo, hi = _pair("A_init_range", self.A_init_range)
+        if not (0 < lo <= hi and math.isfinite(hi)):
+            raise ValueError(f"Mamba2Config.A_init_range: expected finite 0 < low <= high, got {self.A_init_range}")
         if not self.norm_eps > 0:
             raise ValueError(f"Mamba2Config.norm_eps: expected > 0, got {self.norm_eps}")
-        object.__setattr__(self, "dt_limit", (float(low), float(high)))
-        object.__setattr__(self, "A_init_range", (float(lo), float(hi)))
+        object.__setattr__(self, "dt_limit", (low, high))
+        object.__setattr__(self, "A_init_range", (lo, hi))
 
     def _check_d_ssm(self) -> None:
         """``d_ssm``: None or a positive int up to d_inner; d_ssm = d_inner is stored as None (one model,
@@ -154,3 +159,30 @@ def default_config(d_model: int) -> Mamba2Config:
     d_inner = 2 * d_model
     headdim = max(d for d in range(1, min(64, d_inner) + 1) if d_inner % d == 0)
     return Mamba2Config(d_model=d_model, n_layer=2, d_state=64, headdim=headdim)
+
+
+def check_config(config: Any, name: str = "config") -> None:
+    """TypeError unless ``config`` is a :class:`Mamba2Config`."""
+    if not isinstance(config, Mamba2Config):
+        raise TypeError(f"{name}: expected a Mamba2Config, got {type(config).__name__}")
+
+
+def _finite(name: str, value: Any) -> None:
+    """TypeError unless ``value`` is a real number (not a bool), ValueError unless it is finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Mamba2Config.{name}: expected a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"Mamba2Config.{name}: expected a finite number, got {value}")
+
+
+def _pair(name: str, value: Any) -> tuple[float, float]:
+    """``(low, high)`` as floats, no NaN; TypeError/ValueError naming the field otherwise."""
+    if isinstance(value, str) or not hasattr(value, "__len__") or len(value) != 2:
+        raise TypeError(f"Mamba2Config.{name}: expected a pair (low, high), got {value!r}")
+    low, high = value
+    for v in (low, high):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"Mamba2Config.{name}: expected a pair of numbers, got {value!r}")
+        if math.isnan(v):
+            raise ValueError(f"Mamba2Config.{name}: expected numbers, got NaN in {value!r}")
+    return float(low), float(high)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 from ._array import Array, Namespace, device, namespace
 from ._checks import check_same_device, check_same_dtype
@@ -59,6 +60,8 @@ def collate(samples: Sequence[Array], *, mode: str = "pad", targets: Sequence[Ar
         target lengths raise ValueError naming the sample index and both sizes; a non-list,
         mixed backends or mixed dtypes raise TypeError (naming both samples).
     """
+    _check_fill("pad_value", pad_value)
+    _check_fill("target_pad_value", target_pad_value)
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if not isinstance(samples, (list, tuple)):
@@ -113,7 +116,14 @@ def unpack(y: Array, batch: Batch) -> list[Array]:
 def to_padded(y: Array, batch: Batch, *, pad_value: float = 0.0) -> Array:
     """A packed (or padded) output as ``[B, L_max, ...]`` with ``pad_value`` after each sample's end."""
     pieces = unpack(y, batch)
+    _check_fill("pad_value", pad_value)
     return _pad_stack(pieces, max(batch.sizes), pad_value, xp=namespace(y=y))
+
+
+def _check_fill(name: str, value: Any) -> None:
+    """TypeError unless ``value`` is a number (a fill value; bool and str are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
 
 
 def _leading_axis(first: Array) -> bool:

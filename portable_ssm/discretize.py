@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from ._array import Array, Namespace, compute_dtype, constant, namespace, softplus
-from ._checks import Shapes, check_dt_limit, check_floating
+from ._checks import Shapes, check_bool, check_dt_limit, check_floating, check_given
 
 
 def delta(dt: Array, dt_bias: Array | None, dt_softplus: bool, dt_limit: tuple[float, float], *,
@@ -54,8 +54,10 @@ def discretize(dt: Array, A: Array, *, dt_bias: Array | None = None, dt_softplus
     Returns:
         ``(Δ, Ā)``, both shaped like ``dt`` and in float32 at least: ``Ā = exp(Δ·A)``.
     """
+    check_given(dt=dt, A=A)
     xp = namespace(dt=dt, A=A, dt_bias=dt_bias)
     dt_limit = check_dt_limit(dt_limit)
+    check_bool("dt_softplus", dt_softplus)
     if dt.ndim < 1:
         raise ValueError(f"dt: expected rank >= 1 with shape [..., h], got shape {tuple(dt.shape)}")
     spec = tuple(f"d{i}" for i in range(dt.ndim - 1)) + ("h",)

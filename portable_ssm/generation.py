@@ -55,19 +55,10 @@ from .generation_options import (
     penalize,
     seen_tokens,
 )
-from .lm import decode, prefill
+from .lm import check_token_ids, decode, prefill
 from .model import Mamba2State, _check_state
 from .padding import check_attention_mask
 from .params import Params, check_params
-
-
-def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
-    """ValueError unless every id of the integer array ``ids`` lies in ``[0, rows)`` (one host sync)."""
-    if not xp.isdtype(ids.dtype, "integral"):
-        raise TypeError(f"{name}: expected an integer dtype, got {dtype_name(ids.dtype)}")
-    if ids.size and (bool(xp.any(ids < 0)) or bool(xp.any(ids >= rows))):
-        raise ValueError(f"{name}: expected token ids in [0, {rows}), got ids from {int(xp.min(ids))} "
-                         f"to {int(xp.max(ids))}")
 
 
 def _mask_below(scores: Array, threshold: Array, *, xp: Namespace) -> Array:
@@ -206,6 +197,10 @@ class _Prefill:
                                                                        input_ids, xp=xp)
         self.xp, self.input_ids, self.params, self.config = xp, input_ids, params, config
         self.options = o = check_options(input_ids.shape[1], rows, **options)
+        if xp.iinfo(input_ids.dtype).max < o.vocab - 1:  # new tokens come back in input_ids' dtype: they must fit
+            raise TypeError(f"input_ids: dtype {dtype_name(input_ids.dtype)} holds ids up to "
+                            f"{xp.iinfo(input_ids.dtype).max} but new tokens go up to {o.vocab - 1}; "
+                            f"pass int32 or int64 ids")
         self.last, self.state = _prefiller(config, xp)(input_ids, initial_state, pad, params)  # [b, rows]
         valid = None if attention_mask is None else xp.astype(attention_mask, xp.bool)
         self.seen = None if o.penalty is None else seen_tokens(input_ids, valid, o.vocab, xp=xp)
@@ -266,7 +261,10 @@ def generate(input_ids: Array, params: Params, *, config: Mamba2Config, attentio
     """The prompt followed by up to ``max_new_tokens`` new tokens: ``input_ids [b, l] -> [b, l + new]``.
 
     Args:
-        input_ids: integer prompt ids ``[b, l]`` (``l >= 1``) on the params' backend.
+        input_ids: integer prompt ids ``[b, l]`` (``l >= 1``) on the params' backend. New tokens
+            come back in its dtype, so a dtype that cannot hold every id below ``vocab_size``
+            (uint8 or int8 for a vocabulary over 256 or 128 rows) raises TypeError instead of
+            wrapping; float ids raise TypeError instead of being truncated.
         params, config: a language model (``config.vocab_size`` set).
         attention_mask: ``[b, l]`` left-padding mask (1/True tokens, 0/False padding): each row
             gets the tokens it gets alone (:func:`left_pad`).

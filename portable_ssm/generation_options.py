@@ -45,8 +45,9 @@ class Options:
 
 def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> float:
     """The temperature as a float after checking the three sampling arguments."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature: expected a number >= 0 (0 is greedy), got {temperature!r}")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0
+            or not math.isfinite(temperature)):
+        raise ValueError(f"temperature: expected a number >= 0 (0 is greedy), finite, got {temperature!r}")
     check_positive_int("top_k", top_k, allow_none=True)
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not 0 < top_p <= 1):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from ._array import Array, Namespace
+from ._array import Array, Namespace, dtype_name, is_traced
 from ._checks import Shapes
 from .config import Mamba2Config
 from .mixer import _linear, mixer, mixer_step
@@ -20,14 +20,33 @@ from .padding import padded_layer
 from .params import Params, check_params
 
 
-def _check_ids(ids: Array, config: Mamba2Config, spec: tuple[str, ...], *, xp: Namespace) -> Shapes:
+def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
+    """TypeError unless ``ids`` has an integer dtype (float ids are never truncated, bool ids never
+    read as 0/1); ValueError unless every id lies in ``[0, rows)`` (one host sync; traced ids, whose
+    values are not known yet, are checked when they are concrete)."""
+    if not xp.isdtype(ids.dtype, "integral"):
+        raise TypeError(f"{name}: expected an integer dtype, got {dtype_name(ids.dtype)}")
+    if ids.size and not is_traced(ids) and (bool(xp.any(ids < 0)) or bool(xp.any(ids >= rows))):
+        raise ValueError(f"{name}: expected token ids in [0, {rows}), got ids from {int(xp.min(ids))} "
+                         f"to {int(xp.max(ids))}")
+
+
+def _check_ids(ids: Array, config: Mamba2Config, spec: tuple[str, ...], *, xp: Namespace,
+               name: str = "input_ids") -> Shapes:
+    shapes = Shapes()
+    if not xp.isdtype(ids.dtype, "integral"):
+        raise TypeError(f"{name}: expected an integer dtype, got {dtype_name(ids.dtype)}")
+    shapes.check(name, ids, spec)
+    check_token_ids(name, ids, config.padded_vocab_size, xp=xp)
+    return shapes
+
+
+def _check_lm(params: Params, config: Mamba2Config) -> Namespace:
+    """``check_params`` for a language model: ValueError unless ``config.vocab_size`` is set."""
+    xp = check_params(params, config)
     if config.vocab_size is None:
         raise ValueError("config.vocab_size: a language model needs a vocabulary, got None")
-    if not xp.isdtype(ids.dtype, "integral"):
-        raise TypeError(f"input_ids: expected an integer dtype, got {ids.dtype}")
-    shapes = Shapes()
-    shapes.check("input_ids", ids, spec)
-    return shapes
+    return xp
 
 
 def head_weight(params: Params, config: Mamba2Config) -> Array:
@@ -56,7 +75,7 @@ def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
     ``attention_mask [b, l]`` (1/True tokens, 0/False left padding): each row gives what it gives
     alone without its padding, as in :func:`portable_ssm.forward`.
     """
-    xp = check_params(params, config)
+    xp = _check_lm(params, config)
     check_backends("input_ids", input_ids, params, initial_state, "initial_state")
     shapes = _check_ids(input_ids, config, ("b", "l"), xp=xp)
     run = _sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp, layer=layer)
@@ -76,9 +95,9 @@ def logits_step(token: Array, state: Mamba2State, params: Params, *, config: Mam
     With ``state_batch_indices [b]`` (distinct integers) ``state`` is a pool of ``[pool, ...]``
     states: row i reads and updates slot ``state_batch_indices[i]`` and the new pool is returned
     (:mod:`portable_ssm.state_pool`)."""
-    xp = check_params(params, config)
+    xp = _check_lm(params, config)
     check_backends("token", token, params, state)
-    shapes = _check_ids(token, config, ("b",), xp=xp)
+    shapes = _check_ids(token, config, ("b",), xp=xp, name="token")
     if state_batch_indices is not None:
         x = embed(token, params, xp=xp)  # [b, d_model]
         hidden, state = pool_blocks(x, state, state_batch_indices, params, config, "token", token, xp=xp)

@@ -15,9 +15,9 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from ._array import Array, Namespace, array_backend, compute_dtype, device, dtype_name, namespace
-from ._checks import Shapes, check_floating, check_same_device, check_same_dtype
+from ._checks import Shapes, check_bool, check_floating, check_given, check_int, check_same_device, check_same_dtype
 from .backends import to_backend
-from .config import Mamba2Config, default_config
+from .config import Mamba2Config, check_config, default_config
 from .mixer import mixer, mixer_step
 from .norm import rms_norm
 from .padding import padded_layer
@@ -36,10 +36,9 @@ class Mamba2State(NamedTuple):
 
 def empty_state(config: Mamba2Config, batch: int, like: Array) -> Mamba2State:
     """Zero state for ``batch`` sequences, on ``like``'s backend and device, for x of ``like``'s dtype."""
-    if not isinstance(config, Mamba2Config):
-        raise TypeError(f"config: expected a Mamba2Config, got {type(config).__name__}")
-    if isinstance(batch, bool) or not hasattr(batch, "__index__") or batch <= 0:  # a traced size passes
-        raise ValueError(f"batch: expected a positive int, got {batch!r}")
+    check_config(config)
+    check_int("batch", batch, minimum=1)
+    check_given(like=like)
     xp = namespace(like=like)
     check_floating("like", like, xp=xp)
     c = config
@@ -131,6 +130,8 @@ def _resolve(x: Array, params: Params | None, config: Mamba2Config | None, backe
 
 def _check_x(x: Array, params: Params, config: Mamba2Config, spec: tuple[str, ...], *,
              xp: Namespace) -> Shapes:
+    check_given(x=x)
+    namespace(x=x)
     check_floating("x", x, xp=xp)
     shapes = Shapes(d_model=config.d_model)
     shapes.check("x", x, spec)
@@ -247,6 +248,7 @@ def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | No
     Returns:
         ``y [b, l, d_model]`` in x's dtype, or ``(y, state)``.
     """
+    check_bool("return_state", return_state)
     x, params, config, seq_idx = _resolve(x, params, config, backend, device, seq_idx)
     xp = check_params(params, config)
     check_backends("x", x, params, initial_state, "initial_state")
@@ -269,8 +271,7 @@ def step(x_t: Array, state: Mamba2State | None, params: Params, *, config: Mamba
     states: row i reads and updates slot ``state_batch_indices[i]``, and the returned state is the
     whole new pool (:mod:`portable_ssm.state_pool`).
     """
-    if not isinstance(config, Mamba2Config):
-        raise TypeError(f"config: expected a Mamba2Config, got {type(config).__name__}")
+    check_config(config)
     xp = check_params(params, config)
     check_backends("x_t", x_t, params, state)
     shapes = _check_x(x_t, params, config, ("b", "d_model"), xp=xp)

@@ -14,9 +14,9 @@ import math
 from typing import Any
 
 from ._array import Array, Namespace, array_backend, dtype_name, namespace
-from ._checks import check_floating
+from ._checks import check_dtype_name, check_floating, check_int
 from .backends import load, to_backend
-from .config import Mamba2Config
+from .config import Mamba2Config, check_config
 
 Params = dict[str, Array]
 
@@ -26,6 +26,7 @@ def param_shapes(config: Mamba2Config) -> dict[str, tuple[int, ...]]:
     ``[nheads, headdim]`` (mamba_ssm stores it flat, ``[nheads·headdim]``; the loader reshapes it);
     ``rmsnorm=False`` has no ``mixer.norm.weight``; with ``d_ssm`` the conv, Δ, A, D and the norm
     cover the SSM channels only while in_proj / out_proj keep d_inner's width."""
+    check_config(config)
     c = config
     shapes: dict[str, tuple[int, ...]] = {}
     if c.vocab_size is not None:
@@ -62,8 +63,10 @@ def init_params(config: Mamba2Config, *, seed: int = 0, backend: str = "numpy", 
     ``dt ~ exp(U(log dt_min, log dt_max))`` floored at dt_init_floor; ``A_log = log U(A_init_range)``;
     D, norm weights 1; biases 0; embedding ``N(0, initializer_range²)``.
     """
-    if not isinstance(config, Mamba2Config):
-        raise TypeError(f"config: expected a Mamba2Config, got {type(config).__name__}")
+    check_config(config)
+    check_int("seed", seed, minimum=0)
+    load(backend)
+    check_dtype_name("dtype", dtype)
     host = load("numpy")
     np_xp, rng = host.namespace(), host.rng(seed)
     out = {}
@@ -131,5 +134,10 @@ def check_params(params: Any, config: Mamba2Config) -> Namespace:
 
 def cast_params(params: Params, dtype: str, *, backend: str | None = None, device: Any = None) -> Params:
     """A copy of ``params`` in ``dtype`` (by name), optionally on another backend / device."""
+    if not isinstance(params, dict):
+        raise TypeError(f"params: expected a dict of arrays, got {type(params).__name__}")
+    check_dtype_name("dtype", dtype)
+    if backend is not None:
+        load(backend)
     return {k: to_backend(v, backend or array_backend(v), device=device, dtype=dtype)
             for k, v in params.items()}

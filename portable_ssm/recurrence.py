@@ -41,7 +41,7 @@ def selective_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_s
     With ``seq_idx [b, l]`` the state is zeroed wherever the id changes: ``initial_states`` feeds
     each row's first sequence and the final state is that of its last one.
     """
-    check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size, return_final_states)
     s = check_scan_inputs(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                           dt_limit=dt_limit, states=initial_states, states_name="initial_states",
                           step=False, seq_idx=seq_idx)

@@ -4,7 +4,7 @@ Shape legend: b batch, l length, h heads, p headdim, g groups, r = h/g heads per
 n state size, Q chunk size, c chunks. With ``X = x·Δ`` and ``a = A·Δ`` (MAMBA2_SPEC.md):
 
 1. diagonal blocks:  ``Y_diag = ((C Bᵀ) ⊙ exp(segsum(a))) X``   (C Bᵀ once per group)
-2. chunk states:     ``S_c = Σ_t exp(acs[-1] - acs[t]) · outer(X_t, B_t)``
+2. chunk states:     ``S_c = Σ_t exp(a[t+1] + ... + a[-1]) · outer(X_t, B_t)``
 3. state passing:    ``S_in[c+1] = exp(acs_c[-1]) · S_in[c] + S_c``
 4. state -> output:  ``Y_off[t] = exp(acs[t]) · (S_in[c] @ C_t)``
 
@@ -17,6 +17,15 @@ data-dependent shapes (mamba_ssm's rule): L keeps pairs inside one sequence, a c
 the chunk's last sequence, the entering state only reaches positions of the sequence that was
 running when the chunk began, and it is carried past the chunk only if that sequence still runs
 at the chunk's end.
+
+``segsum[i, j] = a[j+1] + ... + a[i]`` is summed step by step (:func:`stable_segsum`), never taken as
+``acs[i] - acs[j]``: the difference loses the digits of one huge ``|A·Δ|`` for every later pair.
+
+Non-finite input stays causal: a NaN or inf in x, Δ, B or C at step t reaches no output before t.
+The diagonal block's mask is applied with ``where`` after the products (0·nan is nan), non-finite
+``X`` enter its matmul as 0 and come back as nan from t on (:func:`poison`), so the outputs that
+turn non-finite are those the recurrence turns non-finite (with ``seq_idx``, possibly also later
+sequences of the row inside the chunk).
 
 Δ is clamped at 0 and A is negative, so every exponent is a sum of ``A·Δ <= 0`` terms: no exp
 sees a positive argument (the upper triangle is set to -inf before its exp, never exp'd and
@@ -32,6 +41,7 @@ import math
 from typing import Any, NamedTuple
 
 from ._array import Array, Namespace, constant, device
+from ._checks import check_int
 from .backends import fast_op
 from .ssm_inputs import check_chunk_size, check_scan_inputs, skip_and_gate
 
@@ -43,11 +53,21 @@ SEGMENT_TOKENS = 256
 
 def choose_chunk_size(length: int, max_chunk: int = MAX_AUTO_CHUNK) -> int:
     """The chunk size for a sequence of ``length``: one chunk when it fits, else the fewest chunks
-    of at most ``max_chunk`` with the least padding (l=300 -> 60, not 64 with 20 padded steps)."""
+    of at most ``max_chunk`` with the least padding (l=300 -> 60, not 64 with 20 padded steps).
+    A ``max_chunk`` beyond the length gives the length itself (an l=0 sequence gets 1): a chunk is
+    never longer than the sequence, so a huge ``max_chunk`` never allocates for itself."""
+    check_int("length", length, minimum=0)
+    check_int("max_chunk", max_chunk, minimum=1)
     if length <= max_chunk:
         return max(length, 1)
     chunks = math.ceil(length / max_chunk)
     return math.ceil(length / chunks)
+
+
+def chunk_length(length: int, chunk_size: int | None) -> int:
+    """The chunk length a scan of ``length`` steps uses for ``chunk_size``: :func:`choose_chunk_size`
+    for None, else ``chunk_size`` capped at the length (at least 1)."""
+    return choose_chunk_size(length) if chunk_size is None else min(chunk_size, max(length, 1))
 
 
 def ssd_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: int | None = None,
@@ -77,7 +97,7 @@ def ssd_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: i
     Returns:
         ``y [b, l, h, p]`` in x's dtype, or ``(y, final_states)``.
     """
-    check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size, return_final_states)
     s = check_scan_inputs(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                           dt_limit=dt_limit, states=initial_states, states_name="initial_states",
                           step=False, seq_idx=seq_idx)
@@ -111,7 +131,7 @@ def ssd_chunked_ref(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_
     b, l, h, p = x.shape
     g, n = B.shape[-2:]
     r = h // g
-    Q = choose_chunk_size(l) if chunk_size is None else chunk_size
+    Q = chunk_length(l, chunk_size)
     if initial_states is None:
         state = xp.zeros((b, g, n, r, p), dtype=x.dtype, device=device(x))
     else:  # the scan keeps states n-major so that every matmul reads row-major operands
@@ -176,6 +196,32 @@ def decay(exponent: Array, *, xp: Namespace, keep: Array | None = None) -> Array
     normal)`` of the dtype, so no subnormal reaches a later product. Masked entries are never exp'd."""
     kept = exponent >= decay_floor(exponent.dtype, xp=xp)
     return xp.exp(xp.where(kept if keep is None else kept & keep, exponent, constant(-math.inf, exponent, xp=xp)))
+
+
+def stable_segsum(a: Array, *, xp: Namespace) -> Array:
+    """``segsum[..., i, j] = a[j+1] + ... + a[i]`` (0 for ``j >= i``) over the last axis of ``a [..., Q]``,
+    as a cumulative sum down each column of the masked, repeated exponents (mamba_ssm's
+    ``ssd_minimal`` "stable segsum"), never as a difference ``acs[i] - acs[j]`` of one cumulative sum:
+    that difference loses the digits of a large ``|A·Δ|`` earlier in the chunk (relative error up to
+    8e-2 in float32 for one Δ of 1e5), and a non-finite ``a[t]`` reaches only pairs with ``j < t <= i``.
+    Row ``Q-1`` is the exclusive suffix sum, the exponent from each step to the chunk's end."""
+    Q = a.shape[-1]
+    idx = xp.arange(Q, device=device(a))
+    below = idx[:, None] > idx[None, :]  # k > j, [Q, Q]
+    terms = xp.where(below, a[..., :, None], constant(0.0, a, xp=xp))  # a[k] at [k, j] for k > j, [..., Q, Q]
+    return xp.cumulative_sum(terms, axis=-2)  # [..., Q, Q]
+
+
+def finite_or_zero(v: Array, *, xp: Namespace) -> Array:
+    """``v`` with its non-finite entries replaced by 0, for the sums that also reach earlier steps."""
+    return xp.where(xp.isfinite(v), v, constant(0.0, v, xp=xp))
+
+
+def poison(v: Array, *, axis: int, xp: Namespace) -> Array:
+    """0 up to the first non-finite entry of ``v`` along ``axis`` and nan from it on: what a
+    non-finite step does to every later output of the recurrence, added back after
+    :func:`finite_or_zero` kept it out of the earlier ones (``v - v`` is exactly 0 where finite)."""
+    return xp.cumulative_sum(v - v, axis=axis)
 
 
 def _pad_time(v: Array, pad: int, *, xp: Namespace) -> Array:
@@ -245,15 +291,18 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     # 1. diagonal blocks: causal "attention" C Bᵀ ⊙ L inside each chunk
     Bt = _row_major(xp.matrix_transpose(Bg), xp=xp)  # [b, c, g, n, Q]
     CB = _matmul(Cg, Bt, xp=xp)  # [b, c, g, Q, Q]
+    segsum = stable_segsum(a, xp=xp)  # [b, c, h, Q, Q]
     idx = xp.arange(Q, device=device(x))
     causal = idx[:, None] >= idx[None, :]  # [Q, Q]
-    segsum = acs[..., :, None] - acs[..., None, :]  # [b, c, h, Q, Q]
-    L = decay(segsum, keep=causal if m.same is None else causal & m.same, xp=xp)  # [b, c, h, Q, Q]
+    keep = causal if m.same is None else causal & m.same
+    L = decay(segsum, keep=keep, xp=xp)  # [b, c, h, Q, Q]
     M = xp.reshape(CB[:, :, :, None, ...] * xp.reshape(L, (b, c, g, r, Q, Q)), (b, c, h, Q, Q))
-    Y_diag = xp.permute_dims(_matmul(M, Xh, xp=xp), (0, 1, 3, 2, 4))  # [b, c, Q, h, p]
+    M = xp.where(keep, M, constant(0.0, M, xp=xp))  # a non-finite B_j must not reach rows i < j (0·nan)
+    Y_diag = _matmul(M, finite_or_zero(Xh, xp=xp), xp=xp) + poison(Xh, axis=-2, xp=xp)  # [b, c, h, Q, p]
+    Y_diag = xp.permute_dims(Y_diag, (0, 1, 3, 2, 4))  # [b, c, Q, h, p]
 
     # 2.-4. chunk by chunk: the entering state is read by C, then the chunk's own states are added
-    decay_states = decay(acs[..., -1:] - acs, keep=m.in_last, xp=xp)  # [b, c, h, Q]
+    decay_states = decay(segsum[..., -1, :], keep=m.in_last, xp=xp)  # to the chunk's end, [b, c, h, Q]
     Xd = X * xp.permute_dims(decay_states, (0, 1, 3, 2))[..., None]  # X decayed to its chunk's end, [b, c, Q, h, p]
     Xd = xp.permute_dims(xp.reshape(Xd, (b, c, Q, g, r * p)), (0, 1, 3, 2, 4))  # [b, c, g, Q, r·p]
     decay_chunk = decay(acs[..., -1], keep=m.carried, xp=xp)  # [b, c, h]

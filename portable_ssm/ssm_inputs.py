@@ -27,8 +27,10 @@ from typing import Any
 from ._array import Array, Namespace, compute_dtype, constant, dtype_name, namespace, silu
 from ._checks import (
     Shapes,
+    check_bool,
     check_dt_limit,
     check_floating,
+    check_given,
     check_positive_int,
     check_same_device,
     check_same_dtype,
@@ -63,9 +65,11 @@ def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: A
     TypeError for non-floating or mixed storage dtypes, a non-integer ``seq_idx`` and arrays
     from two backends. ``seq_idx`` comes back as run ids (:func:`sequence_runs`).
     """
+    check_given(x=x, dt=dt, A=A, B=B, C=C)
     xp = namespace(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **{states_name: states},
                    seq_idx=seq_idx)
     dt_limit = check_dt_limit(dt_limit)
+    check_bool("dt_softplus", dt_softplus)
     seq = () if step else ("l",)
     shapes = Shapes()
     check_floating("x", x, xp=xp)
@@ -76,6 +80,8 @@ def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: A
         check_floating(name, value, xp=xp)
         _check_projection_dtype(name, value, x, cdtype)
         shapes.check(name, value, ("b", *seq, "g", "n"))
+    if shapes["g"] == 0:
+        raise ValueError(f"B: expected at least one group (shape {tuple(B.shape)} has g=0)")
     if shapes["h"] % shapes["g"] != 0:
         raise ValueError(f"B: the number of heads h={shapes['h']} (from x) must be a multiple of the "
                          f"number of groups g={shapes['g']} (from B)")
@@ -142,9 +148,11 @@ def within(v: Array, keep: Array | None, *, xp: Namespace) -> Array:
     return v if keep is None else xp.where(keep, v, constant(0.0, v, xp=xp))
 
 
-def check_chunk_size(chunk_size: Any) -> None:
-    """ValueError unless ``chunk_size`` is None or a positive int."""
+def check_chunk_size(chunk_size: Any, return_final_states: Any = False) -> None:
+    """ValueError unless ``chunk_size`` is None or a positive int; TypeError unless
+    ``return_final_states`` is a bool."""
     check_positive_int("chunk_size", chunk_size, allow_none=True)
+    check_bool("return_final_states", return_final_states)
 
 
 def skip_and_gate(y: Array, x: Array, D: Array | None, z: Array | None, *, xp: Namespace) -> Array:

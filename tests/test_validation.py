@@ -255,7 +255,7 @@ class TestMixedBackends:
         like = np.zeros((1, 8), np.float32)
         with raises(TypeError, "config", "Mamba2Config", "dict"):
             ps.empty_state({}, 1, like)
-        with raises(ValueError, "batch", "positive int", "0"):
+        with raises(ValueError, "batch", "int >= 1", "0"):
             ps.empty_state(self.config, 0, like)
         with raises(TypeError, "like", "expected an array", "list"):
             ps.empty_state(self.config, 1, [0.0] * 8)

@@ -304,14 +304,14 @@ def test_B_C_dtype_beside_x_is_checked_at_the_door():
         ps.ssd_scan(x.double(), dt, A, torch.tensor(a["B"]), torch.tensor(a["C"], dtype=torch.float32))
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("d_ssm", 12, "headdim: d_ssm = 12 must be a multiple of headdim = 8"),
-    ("d_ssm", 40, r"d_ssm: expected None or an int in \[1, d_inner = 32\], got 40"),
-    ("rmsnorm", "no", "rmsnorm: expected True or False, got 'no'"),
-    ("norm_before_gate", 1, "norm_before_gate: expected True or False, got 1"),
+@pytest.mark.parametrize("field, value, error, message", [
+    ("d_ssm", 12, ValueError, "headdim: d_ssm = 12 must be a multiple of headdim = 8"),
+    ("d_ssm", 40, ValueError, r"d_ssm: expected None or an int in \[1, d_inner = 32\], got 40"),
+    ("rmsnorm", "no", TypeError, "rmsnorm: expected True or False, got 'no'"),
+    ("norm_before_gate", 1, TypeError, "norm_before_gate: expected True or False, got 1"),
 ])
-def test_invalid_variant_options_are_named(field, value, message):
-    with pytest.raises(ValueError, match=message):
+def test_invalid_variant_options_are_named(field, value, error, message):
+    with pytest.raises(error, match=message):
         ps.Mamba2Config(**dict(BASE, **{field: value}))
 
 

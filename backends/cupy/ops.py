@@ -174,7 +174,7 @@ class KernelSet:
                              f"groups g={g} (from B)")
         if l == 0:
             raise ValueError("x: expected at least one time step, got l=0")
-        Q = core_ssd.choose_chunk_size(l) if chunk_size is None else chunk_size
+        Q = core_ssd.chunk_length(l, chunk_size)
         step = max(Q, (core_ssd.SEGMENT_TOKENS // Q) * Q)
         x, dt, A, B, C = (self._contiguous(v) for v in (x, dt, A, B, C))
         ids, has_seq = self._ids(seq_idx)

@@ -169,8 +169,10 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     One difference from the reference, far below rounding: inside a chunk, decay factors below
     ``exp(floor)`` (``floor`` as in ``portable_ssm.ssd.decay``, about 1e-19 in float32) are held at
     that value instead of flushed to 0 (a clamp costs one pass, a masked flush three), which keeps
-    subnormals out of the matmuls just the same. Shapes as the reference: ``x [b, l, h, p]``, Δ
-    ``[b, l, h]``, A ``[h]``, B, C ``[b, l, g, n]``, D ``[h]``, ``[h, p]`` or None,
+    subnormals out of the matmuls just the same. A chunk whose output comes out non-finite is
+    recomputed through masked products (:func:`_chunk_output` with ``safe``), so a non-finite input
+    never reaches an earlier step; finite input pays one ``isfinite`` pass per chunk. Shapes as the
+    reference: ``x [b, l, h, p]``, Δ ``[b, l, h]``, A ``[h]``, B, C ``[b, l, g, n]``, D ``[h]``, ``[h, p]`` or None,
     initial_states ``[b, h, p, n]`` or None -> ``(y [b, l, h, p], final_states [b, h, p, n])``."""
     if seq_idx is not None:
         return ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
@@ -178,7 +180,7 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     b, l, h, p = x.shape
     g, n = B.shape[-2:]
     r = h // g
-    Q = ssd.choose_chunk_size(l) if chunk_size is None else chunk_size
+    Q = ssd.chunk_length(l, chunk_size)
     dtype = np.result_type(x, dt, A, B, C, *(() if D is None else (D,)))
     y = np.empty((b, l, h, p), dtype=dtype)
     final = np.empty((b, h, p, n), dtype=dtype)
@@ -208,14 +210,22 @@ def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
         state = np.array(initial_states.transpose(0, 3, 1, 2), dtype=dtype, order="C")
     flat = _view(state, (b, n, r * p))
     above = np.triu(np.full((Q, Q), -np.inf, dtype=dtype), 1)  # -inf where j > i, else 0
+    upper = np.triu(np.ones((Q, Q), dtype=bool), 1)  # j > i
+    below = np.tril(np.ones((Q, Q), dtype=dtype), -1)  # 1 where k > j, else 0
     # the per-step decays of every chunk at once, Δ zero-padded to whole chunks (a padded step
     # neither decays nor feeds): [b, r, c, Q], and the factors laid out as each chunk reads them
     c = -(-l // Q)
     step = np.zeros((b, r, c * Q), dtype=dtype)
     step[..., :l] = dt.transpose(0, 2, 1)  # Δ [b, r, c·Q]
-    acs_all = np.cumsum((step * A[:, None]).reshape(b, r, c, Q), axis=-1)  # cumsum of A·Δ <= 0 per chunk
+    a_all = (step * A[:, None]).reshape(b, r, c, Q)  # A·Δ <= 0 per chunk
+    acs_all = np.cumsum(a_all, axis=-1)  # from the chunk's start
+    # float32: the segsum as differences of float64 prefix sums, which keep the digits a float32
+    # difference would lose (error ~1e-16·|Σ A·Δ|), at a tenth of the cost of the column sums float64 takes
+    prefix = np.cumsum(a_all, axis=-1, dtype=np.float64) if dtype == np.float32 else None
+    suffix = np.zeros_like(a_all)  # Σ_{k>s} A·Δ_k: a suffix sum, not acs[-1] - acs[s] (which loses its digits)
+    np.cumsum(a_all[..., :0:-1], axis=-1, out=suffix[..., -2::-1])
     from_start = np.ascontiguousarray(ssd.decay(acs_all, xp=xp).transpose(0, 2, 3, 1))  # [b, c, Q, r]
-    to_end = ssd.decay(acs_all[..., -1:] - acs_all, xp=xp) * step.reshape(b, r, c, Q)  # Δ decayed to the chunk's end
+    to_end = ssd.decay(suffix, xp=xp) * step.reshape(b, r, c, Q)  # Δ decayed to the chunk's end
     to_end = np.ascontiguousarray(to_end.transpose(0, 2, 3, 1))  # [b, c, Q, r]
     chunk_decay = np.ascontiguousarray(ssd.decay(acs_all[..., -1], xp=xp).transpose(0, 2, 1))  # [b, c, r]
     # one flat buffer per intermediate, viewed as a contiguous array of each chunk's shape
@@ -225,30 +235,58 @@ def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
         q = t1 - t0
         M, xh, Y_off, added = (v[:math.prod(s)].reshape(s) for v, s in zip(
             buffers, ((b, r, q, q), (b, r, q, p), (b, q, r * p), (b, n, r * p))))
-        acs = acs_all[:, :, i, :q]  # [b, r, q]
         Bt, Cc = np.swapaxes(B[:, t0:t1], 1, 2), C[:, t0:t1]  # [b, n, q], [b, q, n]
-        # 1. diagonal block, written into y: ((C Bᵀ) ⊙ exp(segsum) · Δ_j) x
-        np.copyto(M, acs[..., :, None])
-        M -= acs[..., None, :]  # segsum, [b, r, q, q]
-        np.maximum(M, floor, out=M)
-        M += above[:q, :q]
-        np.exp(M, out=M)
-        M *= step[:, :, None, t0:t1]
-        M *= np.matmul(Cc, Bt)[:, None]  # C Bᵀ once for all heads, [b, 1, q, q]
-        if D is not None and D.ndim == 1:  # y_t += D·x_t through M's diagonal
-            _view(M, (b, r, q * q))[..., ::q + 1] += D[:, None]
-        xc = x[:, t0:t1]  # [b, q, r, p]
-        np.copyto(xh, xc.transpose(0, 2, 1, 3))  # [b, r, q, p]
-        out = y[:, t0:t1]  # [b, q, r, p]
-        np.matmul(M, xh, out=out.transpose(0, 2, 1, 3))
-        # 2.-4. the entering state read by C and decayed to each step; then the chunk's own state added
-        np.matmul(Cc, flat, out=Y_off)  # [b, q, r·p]
-        _view(Y_off, (b, q, r, p))[...] *= from_start[:, i, :q, :, None]
-        _view(out, (b, q, r * p))[...] += Y_off
-        if D is not None and D.ndim == 2:
-            out += xc * D
+        xc, out = x[:, t0:t1], y[:, t0:t1]  # [b, q, r, p], a view of y
+        chunk = (a_all[:, :, i, :q] if prefix is None else prefix[:, :, i, :q], step[:, :, t0:t1], Bt, Cc, xc,
+                 from_start[:, i, :q], flat)
+        _chunk_output(*chunk, D, above[:q, :q], below[:q, :q], floor, M, xh, Y_off, out, safe=False)
+        if not np.isfinite(out).all():  # a non-finite input: redo the chunk so it cannot reach earlier steps
+            _chunk_output(*chunk, D, above[:q, :q], below[:q, :q], floor, M, xh, Y_off, out,
+                          safe=upper[:q, :q])
+        # 2.-4. the chunk's own state added
         Xd = _view(xh, (b, q, r, p))  # xh's buffer, free again
         np.multiply(xc, to_end[:, i, :q, :, None], out=Xd)
         state *= chunk_decay[:, i, None, :, None]
         flat += np.matmul(Bt, _view(Xd, (b, q, r * p)), out=added)  # [b, n, r·p]
     return state.transpose(0, 2, 3, 1)  # [b, n, r, p] -> [b, r, p, n]
+
+
+def _chunk_output(a: np.ndarray, step: np.ndarray, Bt: np.ndarray, Cc: np.ndarray, xc: np.ndarray,
+                  from_start: np.ndarray, flat: np.ndarray, D: np.ndarray | None, above: np.ndarray,
+                  below: np.ndarray, floor: np.floating, M: np.ndarray, xh: np.ndarray, Y_off: np.ndarray,
+                  out: np.ndarray, *, safe: np.ndarray | bool) -> None:
+    """One chunk's outputs into ``out [b, q, r, p]``: the diagonal block ``((C Bᵀ) ⊙ exp(segsum) · Δ_j) x``
+    plus the entering state ``flat [b, n, r·p]`` read by C and decayed to each step. ``a``, ``step``
+    ``[b, r, q]`` (A·Δ, or for float32 its float64 prefix sums; Δ), ``Bt [b, n, q]``, ``Cc [b, q, n]``,
+    ``xc [b, q, r, p]``, ``from_start [b, q, r]``;
+    ``M``, ``xh``, ``Y_off`` are scratch. ``safe`` (the ``[q, q]`` mask of j > i) keeps non-finite
+    inputs of step t out of every row before t (0·nan is nan in a matmul): the upper triangle of M
+    is zeroed after its products, non-finite x·Δ enter the matmul as 0 and come back as nan for
+    rows t and after (``portable_ssm.ssd.poison``)."""
+    b, q, r, p = xc.shape
+    if a.dtype == M.dtype:  # segsum as a cumulative sum down each column (ssd.stable_segsum)
+        np.multiply(a[..., :, None], below, out=M)  # a non-finite a[k] spills only into rows k and after
+        np.add.accumulate(M, axis=-2, out=M)  # [b, r, q, q]
+    else:  # float32 M from float64 prefix sums (a non-finite one reaches rows before it only above
+        np.subtract(a[..., :, None], a[..., None, :], out=M, casting="same_kind")  # the diagonal: see safe)
+    np.maximum(M, floor, out=M)
+    M += above
+    np.exp(M, out=M)
+    M *= step[:, :, None, :]
+    M *= np.matmul(Cc, Bt)[:, None]  # C Bᵀ once for all heads, [b, 1, q, q]
+    if D is not None and D.ndim == 1:  # y_t += D·x_t through M's diagonal
+        _view(M, (b, r, q * q))[..., ::q + 1] += D[:, None]
+    np.copyto(xh, xc.transpose(0, 2, 1, 3))  # [b, r, q, p]
+    if safe is not False:
+        np.copyto(M, 0, where=safe)
+        X = xh * step[..., None]  # x·Δ, [b, r, q, p]
+        np.copyto(xh, 0, where=~np.isfinite(X))
+    np.matmul(M, xh, out=out.transpose(0, 2, 1, 3))
+    if safe is not False:
+        out += ssd.poison(X, axis=-2, xp=xp).transpose(0, 2, 1, 3)
+    # the entering state read by C and decayed to each step
+    np.matmul(Cc, flat, out=Y_off)  # [b, q, r·p]
+    _view(Y_off, (b, q, r, p))[...] *= from_start[..., None]
+    _view(out, (b, q, r * p))[...] += Y_off
+    if D is not None and D.ndim == 2:
+        out += xc * D
