@@ -41,13 +41,23 @@ class Mamba2Config:
     rescale_prenorm_residual: bool = True  # out_proj init / sqrt(n_layer)
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_layer", "d_state", "d_conv", "expand", "headdim", "ngroups",
-                     "chunk_size", "pad_vocab_size_multiple"):
+        for name, limit in _LIMITS.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Mamba2Config.{name}: expected a positive int, got {value!r}")
-        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size <= 0):
-            raise ValueError(f"Mamba2Config.vocab_size: expected None or a positive int, got {self.vocab_size!r}")
+            if name == "vocab_size" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+                raise ValueError(f"Mamba2Config.{name}: expected a positive int"
+                                 f"{' or None' if name == 'vocab_size' else ''}, got {value!r} (at most {limit:_})")
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Mamba2Config.{name}: expected a bool, got {getattr(self, name)!r}")
+        for name in _FINITE:
+            if not _is_finite_number(getattr(self, name)):
+                raise ValueError(f"Mamba2Config.{name}: expected a finite number, got {getattr(self, name)!r}")
+        for name in ("dt_limit", "A_init_range"):
+            pair = getattr(self, name)
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(map(_is_number, pair)):
+                raise ValueError(f"Mamba2Config.{name}: expected two numbers, got {pair!r}")
         if self.d_inner % self.headdim:
             raise ValueError(f"Mamba2Config.headdim: d_inner = expand*d_model = {self.d_inner} must be a "
                              f"multiple of headdim = {self.headdim}")
@@ -65,6 +75,10 @@ class Mamba2Config:
         lo, hi = self.A_init_range
         if not 0 < lo <= hi:
             raise ValueError(f"Mamba2Config.A_init_range: expected 0 < low <= high, got {self.A_init_range}")
+        if not math.isfinite(lo + hi):
+            raise ValueError(f"Mamba2Config.A_init_range: expected finite numbers, got {self.A_init_range}")
+        if not self.initializer_range >= 0:
+            raise ValueError(f"Mamba2Config.initializer_range: expected >= 0, got {self.initializer_range}")
         if not self.norm_eps > 0:
             raise ValueError(f"Mamba2Config.norm_eps: expected > 0, got {self.norm_eps}")
         object.__setattr__(self, "dt_limit", (float(low), float(high)))
@@ -104,6 +118,8 @@ class Mamba2Config:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Mamba2Config:
         """Builds a config from :meth:`to_dict`'s output; unknown keys raise ValueError."""
+        if not isinstance(data, dict):
+            raise ValueError(f"Mamba2Config: expected a dict of fields, got {type(data).__name__}")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
@@ -114,6 +130,24 @@ class Mamba2Config:
         if "A_init_range" in data:
             data["A_init_range"] = tuple(float(v) for v in data["A_init_range"])
         return cls(**data)
+
+
+#: Every size field with its largest accepted value: far above any released model, low enough that a
+#: hostile config cannot make the shapes' bookkeeping (or an allocation) run away before a check.
+_LIMITS = {"d_model": 2**17, "n_layer": 4096, "d_state": 2**14, "d_conv": 256, "expand": 64,
+           "headdim": 2**14, "ngroups": 2**14, "chunk_size": 2**20, "vocab_size": 2**25,
+           "pad_vocab_size_multiple": 2**16}
+_FLAGS = ("D_has_hdim", "conv_bias", "bias", "residual_in_fp32", "tie_embeddings", "rescale_prenorm_residual")
+_FINITE = ("dt_min", "dt_max", "dt_init_floor", "norm_eps", "initializer_range")
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float that is not a bool (NaN and inf included)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value)
 
 
 def default_config(d_model: int) -> Mamba2Config:

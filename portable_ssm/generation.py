@@ -15,14 +15,15 @@ Choosing a token from ``logits [b, V]`` (:func:`next_token`):
   (``portable_ssm.backends.load("numpy").rng(seed)``) and moved to the logits' backend, so one seed
   gives the same tokens on every backend (up to rounding of near ties).
 
-End of sequence: a row that emitted ``eos_token_id`` keeps emitting it; generation stops early once
-every row has finished, so the result has ``new <= max_new_tokens`` columns.
+End of sequence: ``eos_token_id`` is one id or several; a row that emitted one of them keeps
+emitting the first (transformers' padding when ``pad_token_id`` is unset); generation stops early
+once every row has finished, so the result has ``new <= max_new_tokens`` columns.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._array import Array, Namespace, array_backend, compute_dtype, constant, device, dtype_name, namespace
@@ -42,6 +43,16 @@ def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> float:
                               or not 0 < top_p <= 1):
         raise ValueError(f"top_p: expected a number in (0, 1] or None, got {top_p!r}")
     return float(temperature)
+
+
+def check_eos_ids(eos_token_id: Any, vocab: int) -> tuple[int, ...]:
+    """``eos_token_id`` (None, an int or a non-empty sequence of ints, each in ``[0, vocab)``) as a tuple."""
+    ids = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else eos_token_id
+    if not isinstance(ids, (tuple, list)) or (eos_token_id is not None and not ids) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab for i in ids):
+        raise ValueError(f"eos_token_id: expected None or an int in [0, {vocab}) (or a non-empty sequence "
+                         f"of them), got {eos_token_id!r}")
+    return tuple(ids)
 
 
 def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
@@ -110,7 +121,7 @@ def next_token(logits: Array, *, temperature: float = 0.0, top_k: int | None = N
 
 def stream(input_ids: Array, params: Params, *, config: Mamba2Config, max_new_tokens: int,
            temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-           seed: int | None = None, eos_token_id: int | None = None,
+           seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
            vocab_size: int | None = None) -> Iterator[Array]:
     """The new tokens ``[b]`` (input_ids' dtype) one at a time, as they are chosen.
 
@@ -130,18 +141,16 @@ def stream(input_ids: Array, params: Params, *, config: Mamba2Config, max_new_to
     vocab = rows if vocab_size is None else vocab_size
     if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= rows:
         raise ValueError(f"vocab_size: expected an int in [1, {rows}] (the logits' rows), got {vocab_size!r}")
-    if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
-                                     or not 0 <= eos_token_id < vocab):
-        raise ValueError(f"eos_token_id: expected None or an int in [0, {vocab}), got {eos_token_id!r}")
+    eos = check_eos_ids(eos_token_id, vocab)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed: expected an int or None, got {type(seed).__name__}")
     rng = load("numpy").rng(seed) if temperature > 0 else None
     return _tokens(input_ids, params, config, max_new_tokens, (temperature, top_k, top_p, rng),
-                   eos_token_id, vocab, xp=xp)
+                   eos, vocab, xp=xp)
 
 
 def _tokens(input_ids: Array, params: Params, config: Mamba2Config, max_new_tokens: int, sampling: tuple,
-            eos: int | None, vocab: int, *, xp: Namespace) -> Iterator[Array]:
+            eos: tuple[int, ...], vocab: int, *, xp: Namespace) -> Iterator[Array]:
     if max_new_tokens == 0:
         return
     out, state = lm_logits(input_ids, params, config=config, return_state=True)  # [b, l, rows]
@@ -149,10 +158,11 @@ def _tokens(input_ids: Array, params: Params, config: Mamba2Config, max_new_toke
     finished = None
     for i in range(max_new_tokens):
         token = xp.astype(_choose(last[:, :vocab], *sampling, xp=xp), input_ids.dtype)  # [b]
-        if eos is not None:
-            eos_row = xp.full_like(token, eos)
-            token = token if finished is None else xp.where(finished, eos_row, token)
-            finished = token == eos_row
+        if eos:
+            token = token if finished is None else xp.where(finished, xp.full_like(token, eos[0]), token)
+            finished = token == eos[0]
+            for other in eos[1:]:
+                finished = finished | (token == other)
         yield token
         if i + 1 == max_new_tokens or (finished is not None and bool(xp.all(finished))):
             return
@@ -161,7 +171,7 @@ def _tokens(input_ids: Array, params: Params, config: Mamba2Config, max_new_toke
 
 def generate(input_ids: Array, params: Params, *, config: Mamba2Config, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, eos_token_id: int | None = None,
+             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
              vocab_size: int | None = None) -> Array:
     """The prompt followed by up to ``max_new_tokens`` new tokens: ``input_ids [b, l] -> [b, l + new]``.
 
@@ -171,7 +181,8 @@ def generate(input_ids: Array, params: Params, *, config: Mamba2Config, max_new_
         max_new_tokens: how many tokens to add (0 returns the prompt).
         temperature, top_k, top_p: sampling (module docstring); ``temperature=0`` is greedy.
         seed: seeds the host generator of the sampling noise (None: fresh entropy).
-        eos_token_id: a finished row keeps emitting it; all rows finished stops early.
+        eos_token_id: an id or several: a row that emitted one is finished and keeps emitting the
+            first; all rows finished stops early.
         vocab_size: only ids below it are chosen (checkpoints pad the vocabulary rows); default
             all ``config.padded_vocab_size`` rows.
     """

@@ -6,30 +6,35 @@ It holds ``config`` and ``params`` (core names) and runs :func:`portable_ssm.lm.
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._array import Array, array_backend, device, dtype_name, namespace
 from .backends import load, to_backend
 from .config import Mamba2Config
-from .generation import check_token_ids, generate, stream
+from .generation import check_eos_ids, check_token_ids, generate, stream
 from .io.checkpoint import save_params
 from .lm import logits as lm_logits
 from .params import Params, check_params
+
+#: The default ``eos_token_id`` of :meth:`Mamba2LM.generate` and :meth:`Mamba2LM.stream`: the model's own.
+CHECKPOINT_EOS = "checkpoint"
 
 
 class Mamba2LM:
     """A Mamba-2 language model on one backend: ``config``, ``params`` (core names) and helpers.
 
     Attributes: ``vocab_size`` (the real vocabulary; generation never picks the padding rows
-    above it), ``eos_token_id`` (from the checkpoint's config, or None), ``layout``
-    (``"transformers" | "state-spaces" | "portable_ssm"``), ``checkpoint_dtype`` (as stored).
+    above it), ``eos_token_id`` (the checkpoint's: an int, a tuple of ints, or None; generation
+    stops there unless told otherwise), ``layout`` (``"transformers" | "state-spaces" |
+    "portable_ssm"``), ``checkpoint_dtype`` (as stored).
     """
 
     def __init__(self, params: Params, config: Mamba2Config, *, vocab_size: int | None = None,
-                 eos_token_id: int | None = None, layout: str = "portable_ssm",
+                 eos_token_id: int | Sequence[int] | None = None, layout: str = "portable_ssm",
                  checkpoint_dtype: str | None = None) -> None:
         check_params(params, config)
         if config.vocab_size is None:
@@ -39,7 +44,9 @@ class Mamba2LM:
         if not 0 < self.vocab_size <= config.padded_vocab_size:
             raise ValueError(f"vocab_size: expected an int in [1, {config.padded_vocab_size}] (the "
                              f"embedding rows), got {vocab_size!r}")
-        self.eos_token_id, self.layout = eos_token_id, layout
+        eos = check_eos_ids(eos_token_id, self.vocab_size)
+        self.eos_token_id = eos_token_id if eos_token_id is None or isinstance(eos_token_id, int) else eos
+        self.layout = layout
         self.checkpoint_dtype = checkpoint_dtype or self.dtype
 
     @property
@@ -74,24 +81,34 @@ class Mamba2LM:
         check_token_ids("input_ids", ids, self.config.padded_vocab_size, xp=xp)
         return lm_logits(ids, self.params, config=self.config)
 
+    def _eos(self, eos_token_id: int | Sequence[int] | None | str) -> int | Sequence[int] | None:
+        """``"checkpoint"`` is the model's own ``eos_token_id``; anything else is taken as given."""
+        return self.eos_token_id if isinstance(eos_token_id, str) and eos_token_id == CHECKPOINT_EOS else eos_token_id
+
     def generate(self, input_ids: Any, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 eos_token_id: int | None = None) -> Array:
+                 eos_token_id: int | Sequence[int] | None | str = CHECKPOINT_EOS) -> Array:
         """``input_ids [b, l]`` -> ``[b, l + new]`` ids, greedy at temperature 0; see
-        :func:`portable_ssm.generation.generate` (cached prefill + one step per token)."""
+        :func:`portable_ssm.generation.generate` (cached prefill + one step per token).
+
+        ``eos_token_id``: ``"checkpoint"`` (the default) stops at the model's own
+        :attr:`eos_token_id`, as transformers' ``generate`` does; an int or a sequence of ints stops
+        at those instead; ``None`` never stops early.
+        """
         return generate(self._ids(input_ids), self.params, config=self.config, max_new_tokens=max_new_tokens,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        eos_token_id=eos_token_id, vocab_size=self.vocab_size)
+                        eos_token_id=self._eos(eos_token_id), vocab_size=self.vocab_size)
 
-    def stream(self, input_ids: Any, max_new_tokens: int, **sampling: Any) -> Iterator[Array]:
+    def stream(self, input_ids: Any, max_new_tokens: int, *,
+               eos_token_id: int | Sequence[int] | None | str = CHECKPOINT_EOS, **sampling: Any) -> Iterator[Array]:
         """The new tokens ``[b]`` one at a time (arguments as :meth:`generate`)."""
         return stream(self._ids(input_ids), self.params, config=self.config, max_new_tokens=max_new_tokens,
-                      vocab_size=self.vocab_size, **sampling)
+                      vocab_size=self.vocab_size, eos_token_id=self._eos(eos_token_id), **sampling)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes a :func:`portable_ssm.save_params` file that :func:`portable_ssm.load_pretrained` reads."""
 
         meta = {"vocab_size": str(self.vocab_size)}
         if self.eos_token_id is not None:
-            meta["eos_token_id"] = str(self.eos_token_id)
+            meta["eos_token_id"] = json.dumps(self.eos_token_id)
         save_params(path, self.params, self.config, metadata=meta)
