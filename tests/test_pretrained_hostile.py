@@ -31,6 +31,7 @@ from test_pretrained import (
 )
 
 import portable_ssm as ps
+from portable_ssm.cli import main
 from portable_ssm.io import CheckpointError, load_pretrained
 from portable_ssm.io.pretrained import hub_cache
 
@@ -295,16 +296,20 @@ def test_config_ngroups_zero_and_non_finite_floats_are_value_errors_naming_the_f
 
 # --- config fidelity and eos --------------------------------------------------------------------
 
-def test_transformers_initializer_fields_and_eos_list_are_read_through(tmp_path):
-    write_transformers_checkpoint(tmp_path, initializer_range=0.1, rescale_prenorm_residual=False,
+def test_transformers_initializer_fields_and_eos_list_are_read_through(tmp_path, capsys):
+    write_transformers_checkpoint(tmp_path, initializer_range=0.3, rescale_prenorm_residual=False,
                                   eos_token_id=[0, 2])
     lm = load_pretrained(tmp_path)
-    assert (lm.config.initializer_range, lm.config.rescale_prenorm_residual) == (0.1, False)
+    assert (lm.config.initializer_range, lm.config.rescale_prenorm_residual) == (0.3, False)
     assert lm.eos_token_id == (0, 2)
+    assert main(["info", str(tmp_path)]) == 0
+    table = {line[:32].strip(): line[33:] for line in capsys.readouterr().out.splitlines()}
+    assert (table["config.initializer_range"], table["config.rescale_prenorm_residual"], table["eos_token_id"]) == \
+        ("0.3", "False", "(0, 2)")
     lm.save(tmp_path / "lm.safetensors")
     again = load_pretrained(tmp_path / "lm.safetensors")
     assert (again.eos_token_id, again.config.initializer_range, again.config.rescale_prenorm_residual) == \
-        ((0, 2), 0.1, False)
+        ((0, 2), 0.3, False)
 
 
 @pytest.mark.parametrize("initializer_cfg,want", [(None, (0.02, True)),
@@ -372,7 +377,7 @@ MAIN, DEV = hashlib.sha1(b"main").hexdigest(), hashlib.sha1(b"dev").hexdigest()
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     """A fake Hugging Face cache holding ``org/tiny``: ``main`` (a sharded checkpoint, seed 0) and
-    branch ``dev`` (seed 1); returns ``(cache, {commit: transformers model})``."""
+    branch ``dev`` and ref ``pr/1`` (seed 1); returns ``(cache, {commit: transformers model})``."""
     root = tmp_path_factory.mktemp("hub")
     cache, models = root / "cache", {}
     for seed, commit, ref in ((0, MAIN, "main"), (1, DEV, "dev")):
@@ -381,12 +386,13 @@ def hub(tmp_path_factory):
         models[commit].save_pretrained(source, **dict(max_shard_size="20KB") if ref == "main" else {})
         cache_snapshot(cache, "org/tiny", commit, source)
         set_ref(cache, "org/tiny", ref, commit)
+    set_ref(cache, "org/tiny", "pr/1", DEV)  # a pull request's ref: a name with a slash
     assert (cache / "models--org--tiny" / "snapshots" / MAIN / "model.safetensors.index.json").is_symlink()
     return cache, models
 
 
-@pytest.mark.parametrize("revision,commit", [(None, MAIN), ("main", MAIN), ("dev", DEV), (DEV, DEV)],
-                         ids=["default", "main", "branch", "commit"])
+@pytest.mark.parametrize("revision,commit", [(None, MAIN), ("main", MAIN), ("dev", DEV), ("pr/1", DEV),
+                                             (DEV, DEV)], ids=["default", "main", "branch", "pr", "commit"])
 def test_hub_id_loads_the_snapshot_of_its_revision_from_the_local_cache(hub, monkeypatch, revision, commit):
     cache, models = hub
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
