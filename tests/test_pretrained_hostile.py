@@ -269,6 +269,15 @@ def test_int8_weights_in_a_torch_bin_are_a_checkpoint_error_naming_the_tensor(tm
         load_pretrained(tmp_path)
 
 
+def test_int8_weights_in_a_save_params_file_are_a_checkpoint_error_naming_the_tensor(tmp_path):
+    config = ps.Mamba2Config(d_model=16, n_layer=1, d_state=8, headdim=8, vocab_size=50, pad_vocab_size_multiple=1)
+    params = dict(ps.init_params(config), **{"norm_f.weight": np.ones(16, np.int8)})
+    meta = {"format": "portable_ssm.v1", "config": json.dumps(config.to_dict()), "dtype": "float32"}
+    ps.io.save_arrays(tmp_path / "lm.safetensors", params, metadata=meta)
+    with raises_naming(tmp_path / "lm.safetensors", "tensor 'norm_f.weight' has dtype I8, expected a float"):
+        load_pretrained(tmp_path / "lm.safetensors")
+
+
 @pytest.mark.parametrize("meta,fragment", [
     (dict(eos_token_id='"2"'), "metadata: eos_token_id: expected null, an int or a list of ints, got '2'"),
     (dict(eos_token_id="[" * 100_000), "metadata 'eos_token_id' is not valid JSON"),

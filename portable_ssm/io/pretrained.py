@@ -180,13 +180,18 @@ def _load_file(path: str, backend: str, dtype: str | None, device: Any) -> Mamba
     """A :func:`save_params` file (its metadata carries the config, vocab size and eos id)."""
     from .safetensors import read_header
 
-    meta = read_header(path)[0].get("__metadata__") or {}
+    header = read_header(path)[0]
+    meta = header.get("__metadata__") or {}
     if "config" not in meta:
         raise CheckpointError(f"{path}: not written by portable_ssm (no config in its metadata); for a "
                               f"transformers or state-spaces checkpoint pass the directory with config.json")
     stored = meta.get("dtype", "float32")
     if stored not in _FLOATS:
         raise CheckpointError(f"{path}: metadata 'dtype': expected one of {', '.join(_FLOATS)}, got {shown(stored)}")
+    for name, info in header.items():
+        if name != "__metadata__" and info["dtype"] not in ("F64", "F32", "F16", "BF16"):
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected a float "
+                                  f"(F64, F32, F16, BF16)")
     params, config = load_params(path, backend=backend, dtype=dtype or _default_dtype(stored), device=device)
     vocab = _metadata_json(path, meta, "vocab_size")
     if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int)):
