@@ -45,19 +45,17 @@ class Mamba2Config:
     rescale_prenorm_residual: bool = True  # out_proj init / sqrt(n_layer)
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_layer", "d_state", "d_conv", "expand", "headdim", "ngroups",
-                     "chunk_size", "pad_vocab_size_multiple"):
+        for name, limit in _LIMITS.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Mamba2Config.{name}: expected a positive int, got {value!r}")
-        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
-                                            or self.vocab_size <= 0):
-            raise ValueError(f"Mamba2Config.vocab_size: expected None or a positive int, got {self.vocab_size!r}")
-        for name in ("D_has_hdim", "rmsnorm", "norm_before_gate", "conv_bias", "bias", "residual_in_fp32",
-                     "tie_embeddings", "rescale_prenorm_residual"):
+            if name == "vocab_size" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+                raise ValueError(f"Mamba2Config.{name}: expected a positive int"
+                                 f"{' or None' if name == 'vocab_size' else ''}, got {value!r} (at most {limit:_})")
+        for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Mamba2Config.{name}: expected True or False, got {getattr(self, name)!r}")
-        for name in ("dt_min", "dt_max", "dt_init_floor", "norm_eps", "initializer_range"):
+        for name in _FINITE:
             _finite(name, getattr(self, name))
         self._check_d_ssm()
         if self.ssm_dim % self.headdim:
@@ -141,6 +139,8 @@ class Mamba2Config:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Mamba2Config:
         """Builds a config from :meth:`to_dict`'s output; unknown keys raise ValueError."""
+        if not isinstance(data, dict):
+            raise ValueError(f"Mamba2Config: expected a dict of fields, got {type(data).__name__}")
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
@@ -151,6 +151,16 @@ class Mamba2Config:
         if "A_init_range" in data:
             data["A_init_range"] = tuple(float(v) for v in data["A_init_range"])
         return cls(**data)
+
+
+#: Every size field with its largest accepted value: far above any released model, low enough that a
+#: hostile config cannot make the shapes' bookkeeping (or an allocation) run away before a check.
+_LIMITS = {"d_model": 2**17, "n_layer": 4096, "d_state": 2**14, "d_conv": 256, "expand": 64,
+           "headdim": 2**14, "ngroups": 2**14, "chunk_size": 2**20, "vocab_size": 2**25,
+           "pad_vocab_size_multiple": 2**16}
+_FLAGS = ("D_has_hdim", "rmsnorm", "norm_before_gate", "conv_bias", "bias", "residual_in_fp32", "tie_embeddings",
+          "rescale_prenorm_residual")
+_FINITE = ("dt_min", "dt_max", "dt_init_floor", "norm_eps", "initializer_range")
 
 
 def default_config(d_model: int) -> Mamba2Config:

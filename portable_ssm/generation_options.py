@@ -65,16 +65,16 @@ def _check_id(name: str, v: Any, limit: int) -> int:
     return v
 
 
-def _check_ids(name: str, value: Any, limit: int) -> tuple[int, ...]:
+def check_id_list(name: str, value: Any, limit: int) -> tuple[int, ...]:
     """None, one id or a sequence of ids -> a tuple of ids."""
     if value is None:
         return ()
     values = [value] if _is_int(value) else value
     if not isinstance(values, Sequence) or isinstance(values, str):
         raise TypeError(f"{name}: expected None, an int or a list of ints, got {type(value).__name__}")
-    for v in values:
-        if not _is_int(v) or not 0 <= v < limit:
-            raise ValueError(f"{name}: expected None or an int in [0, {limit}) (or a list of them), got {value!r}")
+    if not values or any(not _is_int(v) or not 0 <= v < limit for v in values):
+        raise ValueError(f"{name}: expected None or an int in [0, {limit}) (or a non-empty list of them), "
+                         f"got {value!r}")
     return tuple(values)
 
 
@@ -135,7 +135,7 @@ def check_options(length: int, rows: int, *, max_new_tokens: Any = None, max_len
     if logits_processor is not None and not callable(logits_processor):
         raise TypeError(f"logits_processor: expected a callable (ids_so_far, scores) -> scores, got "
                         f"{type(logits_processor).__name__}")
-    eos = _check_ids("eos_token_id", eos_token_id, vocab)
+    eos = check_id_list("eos_token_id", eos_token_id, vocab)
     fill = eos[0] if pad_token_id is None and eos else pad_token_id
     if fill is not None:
         _check_id("pad_token_id", fill, rows)

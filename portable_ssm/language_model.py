@@ -6,32 +6,38 @@ It holds ``config`` and ``params`` (core names) and runs :func:`portable_ssm.lm.
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._array import Array, array_backend, device, dtype_name, namespace
 from .backends import load, to_backend
 from .config import Mamba2Config
 from .generation import check_token_ids, generate, left_pad, stream
+from .generation_options import check_id_list
 from .io.checkpoint import save_params
 from .lm import logits as lm_logits
 from .params import Params, check_params
+
+#: The default ``eos_token_id`` of :meth:`Mamba2LM.generate` and :meth:`Mamba2LM.stream`: the model's own.
+CHECKPOINT_EOS = "checkpoint"
 
 
 class Mamba2LM:
     """A Mamba-2 language model on one backend: ``config``, ``params`` (core names) and helpers.
 
     Attributes: ``vocab_size`` (the real vocabulary; generation never picks the padding rows
-    above it), ``eos_token_id`` (from the checkpoint's config, or None), ``layout``
-    (``"transformers" | "state-spaces" | "portable_ssm"``), ``checkpoint_dtype`` (as stored),
-    ``generation_config`` (defaults for :meth:`generate` and :meth:`stream`, e.g. read from the
-    checkpoint's ``generation_config.json``; explicit arguments win).
+    above it), ``eos_token_id`` (the checkpoint's: an int, a tuple of ints, or None; generation
+    stops there unless told otherwise), ``layout`` (``"transformers" | "state-spaces" |
+    "portable_ssm"``), ``checkpoint_dtype`` (as stored), ``generation_config`` (defaults for
+    :meth:`generate` and :meth:`stream`, e.g. read from the checkpoint's ``generation_config.json``;
+    explicit arguments win).
     """
 
     def __init__(self, params: Params, config: Mamba2Config, *, vocab_size: int | None = None,
-                 eos_token_id: int | None = None, layout: str = "portable_ssm",
+                 eos_token_id: int | Sequence[int] | None = None, layout: str = "portable_ssm",
                  checkpoint_dtype: str | None = None, generation_config: dict[str, Any] | None = None) -> None:
         check_params(params, config)
         if config.vocab_size is None:
@@ -41,7 +47,9 @@ class Mamba2LM:
         if not 0 < self.vocab_size <= config.padded_vocab_size:
             raise ValueError(f"vocab_size: expected an int in [1, {config.padded_vocab_size}] (the "
                              f"embedding rows), got {vocab_size!r}")
-        self.eos_token_id, self.layout = eos_token_id, layout
+        eos = check_id_list("eos_token_id", eos_token_id, self.vocab_size)
+        self.eos_token_id = eos_token_id if eos_token_id is None or isinstance(eos_token_id, int) else eos
+        self.layout = layout
         self.checkpoint_dtype = checkpoint_dtype or self.dtype
         self.generation_config = dict(generation_config or {})
 
@@ -90,37 +98,44 @@ class Mamba2LM:
         check_token_ids("input_ids", ids, self.config.padded_vocab_size, xp=xp)
         return lm_logits(ids, self.params, config=self.config, attention_mask=mask)
 
-    def _options(self, max_new_tokens: int | None, options: dict[str, Any]) -> dict[str, Any]:
-        """``generation_config`` overridden by the explicit options (as in transformers, a default
-        max_new_tokens still wins over an explicit max_length)."""
+    def _options(self, max_new_tokens: int | None, eos_token_id: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's eos and ``generation_config`` overridden by the explicit options (as in
+        transformers, a default max_new_tokens still wins over an explicit max_length).
+        ``eos_token_id``: ``"checkpoint"`` keeps the model's own; None never stops early."""
         explicit = {k: v for k, v in options.items() if v is not None}
         if max_new_tokens is not None:
             explicit["max_new_tokens"] = max_new_tokens
-        return {"vocab_size": self.vocab_size, **self.generation_config, **explicit}
+        if not (isinstance(eos_token_id, str) and eos_token_id == CHECKPOINT_EOS):
+            explicit["eos_token_id"] = eos_token_id
+        defaults = {"vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id, **self.generation_config}
+        return {**defaults, **explicit}
 
     def generate(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
+                 eos_token_id: int | Sequence[int] | None | str = CHECKPOINT_EOS,
                  **options: Any) -> Array | tuple[Array, Any]:
         """``input_ids [b, l]`` -> ``[b, l + new]`` ids, greedy at temperature 0; see
         :func:`portable_ssm.generation.generate` for the options (cached prefill + one step per token).
 
         A list of prompts of unequal length is left-padded with 0 (``[b, longest + new]``; row i's
         first ``longest - len(prompt i)`` ids are padding) and every row gets the tokens it gets
-        alone. Unset options come from :attr:`generation_config`."""
+        alone. Unset options come from :attr:`generation_config`. ``eos_token_id``: ``"checkpoint"``
+        (the default) stops at the model's own :attr:`eos_token_id`, as transformers' ``generate``
+        does; an int or a sequence of ints stops at those instead; ``None`` never stops early."""
         ids, mask = self._batch(input_ids, attention_mask)
         return generate(ids, self.params, config=self.config, attention_mask=mask,
-                        **self._options(max_new_tokens, options))
+                        **self._options(max_new_tokens, eos_token_id, options))
 
     def stream(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
-               **options: Any) -> Iterator[Any]:
+               eos_token_id: int | Sequence[int] | None | str = CHECKPOINT_EOS, **options: Any) -> Iterator[Any]:
         """The new tokens ``[b]`` one at a time (arguments as :meth:`generate`)."""
         ids, mask = self._batch(input_ids, attention_mask)
         return stream(ids, self.params, config=self.config, attention_mask=mask,
-                      **self._options(max_new_tokens, options))
+                      **self._options(max_new_tokens, eos_token_id, options))
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes a :func:`portable_ssm.save_params` file that :func:`portable_ssm.load_pretrained` reads."""
 
         meta = {"vocab_size": str(self.vocab_size)}
         if self.eos_token_id is not None:
-            meta["eos_token_id"] = str(self.eos_token_id)
+            meta["eos_token_id"] = json.dumps(self.eos_token_id)
         save_params(path, self.params, self.config, metadata=meta)

@@ -239,7 +239,8 @@ def test_torch_bin_is_never_unpickled_beyond_tensors(tmp_path):
     model = hf_model(vocab_size=48)
     state_spaces_dir(tmp_path, model, 48, "pytorch_model.bin")
     marker = tmp_path / "unpickled"
-    torch.save({"backbone.norm_f.weight": _Payload(str(marker))}, tmp_path / "pytorch_model.bin")
+    padding = torch.zeros(20_000)  # the file is as big as the config's weights: the unpickler runs
+    torch.save({"backbone.norm_f.weight": _Payload(str(marker)), "padding": padding}, tmp_path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="weights_only=True"):
         load_pretrained(tmp_path)
     assert not marker.exists()

@@ -1,13 +1,19 @@
-"""Pretrained Mamba-2 language models from local files: ``load_pretrained`` -> :class:`~portable_ssm.Mamba2LM`.
+"""Pretrained Mamba-2 language models from files: ``load_pretrained`` -> :class:`~portable_ssm.Mamba2LM`.
 
-Three sources, never the network, never an arbitrary unpickle:
+Three kinds of source, never an arbitrary unpickle:
 
 * a transformers directory: ``config.json`` (``hidden_size, num_hidden_layers, state_size, ...``)
   with ``model.safetensors`` or a sharded ``model.safetensors.index.json``;
 * a state-spaces (mamba_ssm) directory: ``config.json`` (``d_model, n_layer, ssm_cfg`` with
   ``layer: "Mamba2"``) with ``pytorch_model.bin`` (``torch.load(weights_only=True)``; needs torch)
   or a ``.safetensors`` file;
-* a file written by :func:`portable_ssm.save_params` (or :meth:`Mamba2LM.save`).
+* a file written by :func:`portable_ssm.save_params` (or :meth:`Mamba2LM.save`);
+
+and a Hub id (``"org/name"``) is a directory of the local Hugging Face cache, downloaded first
+only when it is not cached and ``huggingface_hub`` is installed.
+
+Files are hostile until checked: JSON is type-checked key by key, the config is bounded against
+the weight files' sizes before a tensor is read, and shard names stay inside the directory.
 
 Safetensors files are read with numpy alone (bfloat16 widened to float32 exactly, by
 :mod:`portable_ssm.io.safetensors`), so a numpy-only install loads them. Every checkpoint
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from ..backends import load, to_backend
@@ -25,9 +32,29 @@ from ..language_model import Mamba2LM
 from .checkpoint import load_params
 from .errors import CheckpointError
 from .generation_config import read_generation_config
-from .layouts import Tensors, config_fields, sanitize
+from .layouts import Tensors, config_fields, eos_token_ids, minimum_bytes, sanitize, shown
 
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_JSON_LIMIT = 64 << 20  # config.json and shard indexes are kilobytes; a bigger one is not read
+_DRIVE = re.compile(r"^[A-Za-z]:")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def _read_json(path: str) -> Any:
+    """The JSON document at ``path``; CheckpointError naming the file when it is not one (too big,
+    not UTF-8, malformed or nested too deep)."""
+    if os.path.getsize(path) > _JSON_LIMIT:
+        raise CheckpointError(f"{path}: {os.path.getsize(path)} bytes, more than the {_JSON_LIMIT} a JSON "
+                              f"file of a checkpoint may hold")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON (nested too deep)") from None
 
 
 def _read_torch_bin(path: str) -> Tensors:
@@ -44,41 +71,95 @@ def _read_torch_bin(path: str) -> Tensors:
 
 
 def _read(path: str) -> Tensors:
-    """Every tensor of one weight file (torch ``.bin`` or safetensors) with its stored dtype name."""
+    """Every tensor of one weight file (torch ``.bin`` or safetensors) with its stored dtype name;
+    CheckpointError naming the tensor unless every one is floating."""
     if path.endswith(".bin"):
-        return _read_torch_bin(path)
-    from .safetensors import read_safetensors
+        tensors = _read_torch_bin(path)
+    else:
+        from .safetensors import read_safetensors
 
-    arrays, dtypes, _ = read_safetensors(path)
-    for name, stored in dtypes.items():
+        arrays, dtypes, _ = read_safetensors(path)
+        tensors = {name: (value, dtypes[name]) for name, value in arrays.items()}
+    for name, (_, stored) in tensors.items():
         if stored not in _FLOATS:
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {stored}, expected a float "
                                   f"({', '.join(_FLOATS)})")
-    return {name: (value, dtypes[name]) for name, value in arrays.items()}
+    return tensors
 
 
-def _read_weights(folder: str) -> Tensors:
-    """Every tensor of a checkpoint directory: safetensors (sharded or not) first, then torch .bin."""
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        path = os.path.join(folder, index)
-        if os.path.isfile(path):
-            with open(path) as f:
-                weight_map = json.load(f).get("weight_map", {})
-            out: Tensors = {}
-            for shard in sorted(set(weight_map.values())):
-                out.update(_read(os.path.join(folder, shard)))
-            missing = sorted(set(weight_map) - set(out))
-            if missing:
-                raise CheckpointError(f"{path}: tensor {missing[0]!r} is listed but not in its shard")
-            return out
+def _shard_path(folder: str, index: str, name: Any) -> str:
+    """The file a shard index names: a relative path inside ``folder``, never ``..``, an absolute
+    path or a drive, nor under a directory symlinked out of ``folder``. The file itself may be a
+    symlink (the Hugging Face cache links every file of a snapshot to ``../../blobs/<hash>``)."""
+    parts = name.split("/") if isinstance(name, str) else []
+    if (not parts or "\\" in name or "\0" in name or _DRIVE.match(name)
+            or any(part in ("", ".", "..") for part in parts)):
+        raise CheckpointError(f"{index}: weight_map: shard {shown(name)} is not a relative path inside the model "
+                              f"directory (no '..', absolute path or drive letter)")
+    path = os.path.join(folder, *parts)
+    root = os.path.realpath(folder)
+    if os.path.commonpath([root, os.path.realpath(os.path.dirname(path))]) != root:
+        raise CheckpointError(f"{index}: weight_map: shard {name!r} lies in a directory outside the model "
+                              f"directory (a symlinked directory)")
+    return path
+
+
+def _weight_map(index: str, folder: str) -> dict[str, str]:
+    """A shard index's ``weight_map``: tensor name -> shard file, every name checked."""
+    raw = _read_json(index)
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: weight_map: expected a non-empty JSON object of tensor name -> "
+                              f"shard file, got {type(weight_map).__name__}")
+    return {tensor: _shard_path(folder, index, shard) for tensor, shard in weight_map.items()}
+
+
+def _weight_files(folder: str) -> tuple[list[str], str | None, dict[str, str]]:
+    """``(weight files, shard index or None, its weight_map)`` of a checkpoint directory:
+    safetensors (sharded or not) first, then torch .bin."""
+    for name in _INDEXES:
+        index = os.path.join(folder, name)
+        if os.path.isfile(index):
+            weight_map = _weight_map(index, folder)
+            for path in sorted(set(weight_map.values())):
+                if not os.path.isfile(path):
+                    raise CheckpointError(f"{index}: shard {os.path.relpath(path, folder)!r} is listed but missing")
+            return sorted(set(weight_map.values())), index, weight_map
     for name in ("model.safetensors", "pytorch_model.bin"):
         if os.path.isfile(os.path.join(folder, name)):
-            return _read(os.path.join(folder, name))
+            return [os.path.join(folder, name)], None, {}
     others = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
     if len(others) == 1:
-        return _read(os.path.join(folder, others[0]))
+        return [os.path.join(folder, others[0])], None, {}
     raise CheckpointError(f"{folder}: no weights found (looked for model.safetensors[.index.json], "
                           f"pytorch_model.bin[.index.json] or a single *.safetensors file)")
+
+
+def _read_weights(files: list[str], index: str | None, weight_map: dict[str, str]) -> Tensors:
+    """Every tensor of the weight files; with an index, each tensor must be in the shard it names."""
+    out: Tensors = {}
+    where: dict[str, str] = {}
+    for path in files:
+        for name, value in _read(path).items():
+            if name in out:
+                raise CheckpointError(f"{path}: tensor {name!r} is also in {where[name]}")
+            out[name], where[name] = value, path
+    for name, path in weight_map.items():
+        if where.get(name) != path:
+            raise CheckpointError(f"{index}: tensor {shown(name)} is listed but not in its shard "
+                                  f"{os.path.basename(path)!r}")
+    return out
+
+
+def _check_sizes(config_path: str, fields: dict[str, Any], files: list[str]) -> None:
+    """CheckpointError before any tensor is read when the config needs more parameters than the
+    weight files can hold (a hostile ``n_layer`` or ``d_model`` never allocates)."""
+    need = minimum_bytes(fields, os.path.dirname(config_path))
+    held = sum(os.path.getsize(path) for path in files)
+    if need > held:
+        raise CheckpointError(f"{config_path}: the config needs at least {need} bytes of weights (n_layer "
+                              f"{fields['n_layer']}, d_model {fields['d_model']}, vocab_size "
+                              f"{fields['vocab_size']}) but the weight files hold {held}")
 
 
 def _default_dtype(stored: str) -> str:
@@ -86,55 +167,142 @@ def _default_dtype(stored: str) -> str:
     return "float64" if stored == "float64" else "float32"
 
 
+def _metadata_json(path: str, meta: dict[str, str], key: str) -> Any:
+    """A metadata entry :meth:`Mamba2LM.save` wrote as JSON (None when absent)."""
+    if key not in meta:
+        return None
+    try:
+        return json.loads(meta[key])
+    except (json.JSONDecodeError, TypeError, RecursionError) as err:
+        raise CheckpointError(f"{path}: metadata {key!r} is not valid JSON ({type(err).__name__})") from None
+
+
 def _load_file(path: str, backend: str, dtype: str | None, device: Any) -> Mamba2LM:
     """A :func:`save_params` file (its metadata carries the config, vocab size and eos id)."""
     from .safetensors import read_header
 
-    meta = read_header(path)[0].get("__metadata__") or {}
+    header = read_header(path)[0]
+    meta = header.get("__metadata__") or {}
     if "config" not in meta:
         raise CheckpointError(f"{path}: not written by portable_ssm (no config in its metadata); for a "
                               f"transformers or state-spaces checkpoint pass the directory with config.json")
     stored = meta.get("dtype", "float32")
+    if stored not in _FLOATS:
+        raise CheckpointError(f"{path}: metadata 'dtype': expected one of {', '.join(_FLOATS)}, got {shown(stored)}")
+    for name, info in header.items():
+        if name != "__metadata__" and info["dtype"] not in ("F64", "F32", "F16", "BF16"):
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected a float "
+                                  f"(F64, F32, F16, BF16)")
     params, config = load_params(path, backend=backend, dtype=dtype or _default_dtype(stored), device=device)
-    eos = meta.get("eos_token_id")
-    return Mamba2LM(params, config, vocab_size=int(meta.get("vocab_size", config.vocab_size)),
-                    eos_token_id=None if eos is None else int(eos), checkpoint_dtype=stored)
+    vocab = _metadata_json(path, meta, "vocab_size")
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int)):
+        raise CheckpointError(f"{path}: metadata 'vocab_size': expected an int, got {shown(vocab)}")
+    eos = eos_token_ids(_metadata_json(path, meta, "eos_token_id"), f"{path}: metadata")
+    try:
+        return Mamba2LM(params, config, vocab_size=vocab, eos_token_id=eos, checkpoint_dtype=stored)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: metadata: {err}") from None
+
+
+def hub_cache() -> str:
+    """The local Hugging Face cache: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def _cached_snapshot(repo_id: str, revision: str) -> str | None:
+    """The snapshot folder of ``repo_id`` at ``revision`` (a branch, tag or commit hash) in the local
+    Hugging Face cache (``models--org--name/refs/<revision>`` holds the commit hash, and
+    ``snapshots/<hash>/`` the files), or None when it is not there."""
+    repo = os.path.join(hub_cache(), "models--" + repo_id.replace("/", "--"))
+    commit = revision
+    if not _COMMIT.match(revision):
+        if any(part in ("", ".", "..") for part in revision.split("/")):
+            return None
+        try:
+            with open(os.path.join(repo, "refs", *revision.split("/")), encoding="utf-8") as f:
+                commit = f.read(128).strip()
+        except OSError:
+            return None
+        if not _COMMIT.match(commit):
+            return None
+    snapshot = os.path.join(repo, "snapshots", commit)
+    return snapshot if os.path.isfile(os.path.join(snapshot, "config.json")) else None
+
+
+def _from_hub(repo_id: str, revision: str | None, local_files_only: bool) -> str:
+    """The local folder of Hub model ``repo_id``: its cached snapshot, else (with ``huggingface_hub``
+    installed and downloads allowed) a fresh ``snapshot_download``; FileNotFoundError saying what
+    to run otherwise."""
+    revision = revision or "main"
+    if not isinstance(revision, str):
+        raise TypeError(f"revision: expected a branch, tag or commit hash as a str, got {type(revision).__name__}")
+    cached = _cached_snapshot(repo_id, revision)
+    if cached is not None:
+        return cached
+    if not local_files_only:
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:
+            pass
+        else:
+            return snapshot_download(repo_id, revision=revision,
+                                     allow_patterns=["*.json", "*.safetensors", "*.bin", "*.txt", "*.model"])
+    raise FileNotFoundError(
+        f"{repo_id}: no such local path, and the Hugging Face cache {hub_cache()} holds no snapshot of it "
+        f"at revision {revision!r}; download it with: pip install 'portable-ssm[hub]' && "
+        f"hf download {repo_id} --revision {revision}")
 
 
 def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
-                    device: Any = None) -> Mamba2LM:
-    """A :class:`Mamba2LM` from a transformers or state-spaces directory or a save_params file.
+                    device: Any = None, revision: str | None = None,
+                    local_files_only: bool = False) -> Mamba2LM:
+    """A :class:`Mamba2LM` from a transformers or state-spaces directory, a save_params file, or a
+    Hugging Face Hub id (``"org/name"``) found in the local Hugging Face cache.
 
     Args:
-        path: a checkpoint directory (with ``config.json``) or a :func:`save_params` file.
+        path: a checkpoint directory (with ``config.json``), a :func:`save_params` file, or a Hub
+            model id when no such path exists: its snapshot in the local cache (``HF_HUB_CACHE``,
+            else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``) is read without the network;
+            when it is not cached and ``huggingface_hub`` is installed (``pip install
+            'portable-ssm[hub]'``) it is downloaded with ``snapshot_download``.
         backend: ``"numpy" | "torch" | "jax" | "cupy" | "array_api_strict"``.
         dtype: parameter dtype by name; ``None`` is float32 (float64 checkpoints stay float64),
             whatever the stored dtype (bf16 checkpoints are widened exactly).
         device: target device (``"cuda:0"``, ...).
+        revision: for a Hub id: a branch, tag or commit hash (default ``"main"``).
+        local_files_only: for a Hub id: never download, only read the cache.
 
-    Raises :class:`portable_ssm.CheckpointError` naming the file and the tensor for
-    missing, unexpected or misshapen tensors and unsupported configs; FileNotFoundError when
-    nothing is at ``path``.
+    Raises :class:`portable_ssm.CheckpointError` naming the file and the tensor or key for
+    missing, unexpected, misshapen or non-floating tensors, malformed or unsupported configs and
+    shard indexes naming files outside the directory; FileNotFoundError when nothing is at
+    ``path`` (for a Hub id: saying what to run to download it).
     """
     path = os.fspath(path)
+    if not os.path.exists(path) and _REPO_ID.match(path):
+        path = _from_hub(path, revision, local_files_only)
+    elif revision is not None:
+        raise ValueError(f"revision: only for a Hugging Face Hub id, but {path!r} is a local path")
     if os.path.isfile(path):
         return _load_file(path, backend, dtype, device)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{path}: expected a checkpoint directory with config.json or a file "
                                 f"written by portable_ssm.save_params")
-    try:
-        with open(config_path) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+    raw = _read_json(config_path)
     fields = config_fields(raw, path)
-    config, host, vocab = sanitize(fields, _read_weights(path), path)
+    eos = eos_token_ids(raw.get("eos_token_id"), f"{path}: config.json")
+    files, index, weight_map = _weight_files(path)
+    _check_sizes(config_path, fields, files)
+    config, host, vocab = sanitize(fields, _read_weights(files, index, weight_map), path)
     stored = host["embedding.weight"][1]
     dtype = dtype or _default_dtype(stored)
     params = {k: to_backend(v, backend, device=device, dtype=dtype) for k, (v, _) in host.items()}
-    eos = raw.get("eos_token_id")
     layout = "transformers" if "hidden_size" in raw else "state-spaces"
-    return Mamba2LM(params, config, vocab_size=vocab, eos_token_id=eos if isinstance(eos, int) else None,
-                    layout=layout, checkpoint_dtype=stored,
-                    generation_config=read_generation_config(path))
+    try:
+        return Mamba2LM(params, config, vocab_size=vocab, eos_token_id=eos, layout=layout, checkpoint_dtype=stored,
+                        generation_config=read_generation_config(path))
+    except ValueError as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
