@@ -16,6 +16,7 @@ from .config import Mamba2Config
 from .mixer import _linear, mixer_step
 from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, run_sequence
 from .params import Params, check_params
+from .quantized import QuantizedWeight, take_rows
 
 
 def _check_ids(ids: Array, config: Mamba2Config, spec: tuple[str, ...], *, xp: Namespace) -> Shapes:
@@ -34,9 +35,13 @@ def head_weight(params: Params, config: Mamba2Config) -> Array:
 
 
 def embed(ids: Array, params: Params, *, xp: Namespace) -> Array:
-    """``ids [...]`` -> ``[..., d_model]`` rows of ``embedding.weight``."""
+    """``ids [...]`` -> ``[..., d_model]`` rows of ``embedding.weight`` (widened to float32 when quantized)."""
     table = params["embedding.weight"]
-    flat = xp.take(table, xp.reshape(ids, (-1,)), axis=0)  # [prod(ids.shape), d_model]
+    flat_ids = xp.reshape(ids, (-1,))  # [prod(ids.shape)]
+    if isinstance(table, QuantizedWeight):
+        flat = take_rows(table, flat_ids, xp=xp)  # [prod(ids.shape), d_model]
+    else:
+        flat = xp.take(table, flat_ids, axis=0)  # [prod(ids.shape), d_model]
     return xp.reshape(flat, (*ids.shape, table.shape[1]))  # [..., d_model]
 
 

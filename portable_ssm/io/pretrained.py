@@ -22,6 +22,7 @@ from typing import Any
 
 from ..backends import load, to_backend
 from ..language_model import Mamba2LM
+from ..quantized import KINDS
 from .checkpoint import load_params
 from .errors import CheckpointError
 from .layouts import Tensors, config_fields, sanitize
@@ -101,7 +102,7 @@ def _load_file(path: str, backend: str, dtype: str | None, device: Any) -> Mamba
 
 
 def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
-                    device: Any = None) -> Mamba2LM:
+                    device: Any = None, weights: str = "float32") -> Mamba2LM:
     """A :class:`Mamba2LM` from a transformers or state-spaces directory or a save_params file.
 
     Args:
@@ -110,14 +111,18 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
         dtype: parameter dtype by name; ``None`` is float32 (float64 checkpoints stay float64),
             whatever the stored dtype (bf16 checkpoints are widened exactly).
         device: target device (``"cuda:0"``, ...).
+        weights: ``"float32"`` (as loaded), or ``"int8"`` / ``"bfloat16"`` storage of the
+            projections, embedding and head (:func:`portable_ssm.quantize`; float32 params only).
 
     Raises :class:`portable_ssm.CheckpointError` naming the file and the tensor for
     missing, unexpected or misshapen tensors and unsupported configs; FileNotFoundError when
     nothing is at ``path``.
     """
     path = os.fspath(path)
+    if weights not in KINDS:
+        raise ValueError(f"weights: expected one of {', '.join(map(repr, KINDS))}, got {weights!r}")
     if os.path.isfile(path):
-        return _load_file(path, backend, dtype, device)
+        return _load_file(path, backend, dtype, device).quantize(weights)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{path}: expected a checkpoint directory with config.json or a file "
@@ -135,4 +140,4 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
     eos = raw.get("eos_token_id")
     layout = "transformers" if "hidden_size" in raw else "state-spaces"
     return Mamba2LM(params, config, vocab_size=vocab, eos_token_id=eos if isinstance(eos, int) else None,
-                    layout=layout, checkpoint_dtype=stored)
+                    layout=layout, checkpoint_dtype=stored).quantize(weights)
