@@ -1,4 +1,5 @@
-"""PyTorch: conversion, devices, the native conv1d fast path, and (for training) the nn.Module adapter.
+"""PyTorch: conversion, devices, the native conv1d and quantized-matmul fast paths, and (for training)
+the nn.Module adapter.
 
 The core runs unchanged on torch tensors through array_api_compat, so autograd, ``torch.compile``
 and autocast see ordinary torch ops. :class:`Mamba2Module` / :class:`Mamba2LMModule` register the
@@ -25,6 +26,7 @@ from portable_ssm.mixer import mixer
 from portable_ssm.model import Mamba2State
 from portable_ssm.model import forward as core_forward
 from portable_ssm.params import init_params
+from portable_ssm.quantized import quantized_matmul_ref
 
 
 def namespace() -> Any:
@@ -89,7 +91,29 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.transpose(1, 2), padded[:, :, l - 1:]
 
 
-FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d}
+#: Rows up to which :func:`quantized_matmul` runs torch's low-precision kernels on CPU (decode); more
+#: rows (prefill) dequantize and multiply in float32, faster on CPUs without int8 / bf16 dot products.
+CPU_KERNEL_MAX_ROWS = 16
+
+
+def quantized_matmul(rows: torch.Tensor, weight: Any) -> torch.Tensor:
+    """``rows [m, in]`` (float32) times a :class:`~portable_ssm.quantized.QuantizedWeight` transposed:
+    ``[m, out]`` float32 with torch's shipped low-precision kernels, on CPU for ``m <=
+    CPU_KERNEL_MAX_ROWS``: int8 through ``torch._weight_int8pack_mm`` (weight-only int8, per-channel
+    scales), bfloat16 through ``F.linear`` in bfloat16 (also on CUDA at any ``m``; torch's bf16 GEMM
+    rounds the rows and the result to bfloat16 too). Otherwise the core reference (dequantize,
+    float32 matmul)."""
+    on_cpu = rows.device.type == "cpu"
+    if on_cpu and rows.shape[0] > CPU_KERNEL_MAX_ROWS:
+        return quantized_matmul_ref(rows, weight, xp=xp)
+    if weight.kind == "bfloat16":
+        return F.linear(rows.to(torch.bfloat16), weight.data).to(rows.dtype)
+    if on_cpu:
+        return torch._weight_int8pack_mm(rows.contiguous(), weight.data, weight.scale)
+    return quantized_matmul_ref(rows, weight, xp=xp)
+
+
+FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "quantized_matmul": quantized_matmul}
 
 
 # --- Training: an nn.Module whose forward is the array-API core (no second implementation) ---

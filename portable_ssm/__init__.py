@@ -12,6 +12,7 @@ Public API:
     collate, unpack, to_padded, Batch        padded or packed batches of variable-length sequences
     load_pretrained, Mamba2LM                pretrained checkpoints (transformers / state-spaces), generation
     save_params, load_params                 safetensors checkpoints in core names (never pickle)
+    quantize, QuantizedWeight, params_nbytes int8 / bfloat16 projection, embedding and head weights
 """
 
 from .backends import to_backend
@@ -22,14 +23,16 @@ from .io import CheckpointError, load_arrays, load_params, load_pretrained, save
 from .language_model import Mamba2LM
 from .model import Mamba2State, empty_state, forward, step
 from .params import cast_params, check_params, init_params, param_shapes
+from .quantized import QuantizedWeight, params_nbytes, quantize
 from .recurrence import selective_scan, ssd_step
 from .ssd import choose_chunk_size, ssd_scan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Batch", "CheckpointError", "Mamba2Config", "Mamba2LM", "Mamba2State", "cast_params", "check_params",
-    "choose_chunk_size", "collate", "default_config", "discretize", "empty_state", "forward", "init_params",
-    "load_arrays", "load_params", "load_pretrained", "param_shapes", "save_arrays", "save_params", "selective_scan",
-    "ssd_scan", "ssd_step", "step", "to_backend", "to_padded", "unpack",
+    "Batch", "CheckpointError", "Mamba2Config", "Mamba2LM", "Mamba2State", "QuantizedWeight", "cast_params",
+    "check_params", "choose_chunk_size", "collate", "default_config", "discretize", "empty_state", "forward",
+    "init_params", "load_arrays", "load_params", "load_pretrained", "param_shapes", "params_nbytes", "quantize",
+    "save_arrays", "save_params", "selective_scan", "ssd_scan", "ssd_step", "step", "to_backend", "to_padded",
+    "unpack",
 ]

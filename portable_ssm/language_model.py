@@ -20,6 +20,7 @@ from .generation_options import check_id_list
 from .io.checkpoint import save_params
 from .lm import logits as lm_logits
 from .params import Params, check_params
+from .quantized import QuantizedWeight, quantize
 
 #: The default ``eos_token_id`` of :meth:`Mamba2LM.generate` and :meth:`Mamba2LM.stream`: the model's own.
 CHECKPOINT_EOS = "checkpoint"
@@ -132,8 +133,20 @@ class Mamba2LM:
         return stream(ids, self.params, config=self.config, attention_mask=mask,
                       **self._options(max_new_tokens, eos_token_id, options))
 
+    def quantize(self, kind: str) -> Mamba2LM:
+        """This model with its projections, embedding and head stored as ``kind`` (``"int8"``,
+        ``"bfloat16"``; ``"float32"``: this model itself), see :func:`portable_ssm.quantize`."""
+        params = quantize(self.params, kind)
+        if kind == "float32":
+            return self
+        return Mamba2LM(params, self.config, vocab_size=self.vocab_size, eos_token_id=self.eos_token_id,
+                        layout=self.layout, checkpoint_dtype=self.checkpoint_dtype)
+
     def save(self, path: str | os.PathLike) -> None:
         """Writes a :func:`portable_ssm.save_params` file that :func:`portable_ssm.load_pretrained` reads."""
+        if any(isinstance(v, QuantizedWeight) for v in self.params.values()):
+            raise TypeError("save: this model holds quantized weights; save the float32 model and pass "
+                            "weights= to load_pretrained")
 
         meta = {"vocab_size": str(self.vocab_size)}
         if self.eos_token_id is not None:

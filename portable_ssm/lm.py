@@ -18,6 +18,7 @@ from .mixer import _linear, mixer, mixer_step
 from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, check_backends, pool_blocks, run_sequence
 from .padding import padded_layer
 from .params import Params, check_params
+from .quantized import QuantizedWeight, take_rows
 
 
 def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
@@ -55,9 +56,13 @@ def head_weight(params: Params, config: Mamba2Config) -> Array:
 
 
 def embed(ids: Array, params: Params, *, xp: Namespace) -> Array:
-    """``ids [...]`` -> ``[..., d_model]`` rows of ``embedding.weight``."""
+    """``ids [...]`` -> ``[..., d_model]`` rows of ``embedding.weight`` (widened to float32 when quantized)."""
     table = params["embedding.weight"]
-    flat = xp.take(table, xp.reshape(ids, (-1,)), axis=0)  # [prod(ids.shape), d_model]
+    flat_ids = xp.reshape(ids, (-1,))  # [prod(ids.shape)]
+    if isinstance(table, QuantizedWeight):
+        flat = take_rows(table, flat_ids, xp=xp)  # [prod(ids.shape), d_model]
+    else:
+        flat = xp.take(table, flat_ids, axis=0)  # [prod(ids.shape), d_model]
     return xp.reshape(flat, (*ids.shape, table.shape[1]))  # [..., d_model]
 
 

@@ -19,16 +19,20 @@ from .conv import causal_conv1d_silu, conv_step
 from .discretize import delta
 from .norm import gated_rms_norm, rms_norm_then_gate
 from .padding import padded_conv, unpadded_delta
+from .quantized import QuantizedWeight, quantized_matmul
 from .recurrence import recurrence_step
 from .ssd import ssd_chunked
 from .ssm_inputs import heads_from_groups, skip_and_gate
 
 
-def _linear(v: Array, weight: Array, bias: Array | None, *, xp: Namespace) -> Array:
-    """``v @ weight.T + bias`` for ``v [..., in]``, as one matrix multiply over all leading axes."""
+def _linear(v: Array, weight: Array | QuantizedWeight, bias: Array | None, *, xp: Namespace) -> Array:
+    """``v @ weight.T + bias`` for ``v [..., in]``, as one matrix multiply over all leading axes
+    (a :class:`~portable_ssm.quantized.QuantizedWeight` through :func:`quantized_matmul`)."""
     *lead, d = v.shape
     rows = xp.reshape(v, (-1, d))  # [prod(lead), in]
-    if rows.shape[0] < 16:  # decode: W @ vᵀ streams the weight row-major, several times faster
+    if isinstance(weight, QuantizedWeight):
+        out = quantized_matmul(rows, weight, xp=xp)  # [prod(lead), out]
+    elif rows.shape[0] < 16:  # decode: W @ vᵀ streams the weight row-major, several times faster
         out = xp.matrix_transpose(xp.matmul(weight, xp.matrix_transpose(rows)))  # [prod(lead), out]
     else:
         out = xp.matmul(rows, xp.matrix_transpose(weight))  # [prod(lead), out]

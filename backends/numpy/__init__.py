@@ -1,6 +1,7 @@
 """NumPy: the host backend. It also owns the random generator ``init_params`` draws from, so
 every backend starts from the same numbers for the same seed, and registers the native paths of
-:mod:`.ops` (in-place, cache-tiled conv, norm and scan) as its fast ops."""
+:mod:`.ops` (in-place, cache-tiled conv, norm and scan) and :mod:`.quant` (the tiled quantized
+matmul) as its fast ops."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import array_api_compat.numpy as xp
 import numpy as np
 
 from .ops import causal_conv1d, causal_conv1d_silu, gated_rms_norm, pass_states, ssd_chunked
+from .quant import bfloat16_bits, quantized_matmul
 
 
 def namespace() -> Any:
@@ -44,4 +46,6 @@ def rng(seed: int) -> np.random.Generator:
 
 FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "causal_conv1d_silu": causal_conv1d_silu,
                             "gated_rms_norm": gated_rms_norm, "pass_states": pass_states,
-                            "ssd_chunked": ssd_chunked}
+                            "quantized_matmul": quantized_matmul, "ssd_chunked": ssd_chunked}
+
+__all__ = ["FAST_OPS", "asarray", "bfloat16_bits", "convert", "dtype", "namespace", "rng", "to_numpy"]

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..backends import load, to_backend
 from ..language_model import Mamba2LM
+from ..quantized import KINDS
 from .checkpoint import load_params
 from .errors import CheckpointError
 from .generation_config import read_generation_config
@@ -258,7 +259,7 @@ def _from_hub(repo_id: str, revision: str | None, local_files_only: bool) -> str
 
 def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
                     device: Any = None, revision: str | None = None,
-                    local_files_only: bool = False) -> Mamba2LM:
+                    local_files_only: bool = False, weights: str = "float32") -> Mamba2LM:
     """A :class:`Mamba2LM` from a transformers or state-spaces directory, a save_params file, or a
     Hugging Face Hub id (``"org/name"``) found in the local Hugging Face cache.
 
@@ -274,6 +275,8 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
         device: target device (``"cuda:0"``, ...).
         revision: for a Hub id: a branch, tag or commit hash (default ``"main"``).
         local_files_only: for a Hub id: never download, only read the cache.
+        weights: ``"float32"`` (as loaded), or ``"int8"`` / ``"bfloat16"`` storage of the
+            projections, embedding and head (:func:`portable_ssm.quantize`; float32 params only).
 
     Raises :class:`portable_ssm.CheckpointError` naming the file and the tensor or key for
     missing, unexpected, misshapen or non-floating tensors, malformed or unsupported configs and
@@ -281,12 +284,14 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
     ``path`` (for a Hub id: saying what to run to download it).
     """
     path = os.fspath(path)
+    if weights not in KINDS:
+        raise ValueError(f"weights: expected one of {', '.join(map(repr, KINDS))}, got {weights!r}")
     if not os.path.exists(path) and _REPO_ID.match(path):
         path = _from_hub(path, revision, local_files_only)
     elif revision is not None:
         raise ValueError(f"revision: only for a Hugging Face Hub id, but {path!r} is a local path")
     if os.path.isfile(path):
-        return _load_file(path, backend, dtype, device)
+        return _load_file(path, backend, dtype, device).quantize(weights)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{path}: expected a checkpoint directory with config.json or a file "
@@ -303,6 +308,6 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
     layout = "transformers" if "hidden_size" in raw else "state-spaces"
     try:
         return Mamba2LM(params, config, vocab_size=vocab, eos_token_id=eos, layout=layout, checkpoint_dtype=stored,
-                        generation_config=read_generation_config(path))
+                        generation_config=read_generation_config(path)).quantize(weights)
     except ValueError as err:
         raise CheckpointError(f"{config_path}: {err}") from None

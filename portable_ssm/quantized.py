@@ -1,0 +1,201 @@
+"""Low-precision weights for inference: :func:`quantize` and :class:`QuantizedWeight`.
+
+The projections (``in_proj``, ``out_proj``), the embedding and the LM head are stored as
+
+* ``"int8"``: symmetric int8 with one float32 scale per output channel (row): ``w ≈ q · scale[:, None]``,
+  ``scale = max|w_row| / 127``, ``q = round(w / scale)``. Per-channel, not llama.cpp's blocks of
+  32, because that is the layout PyTorch's shipped weight-only kernel (``_weight_int8pack_mm``)
+  multiplies; a row of the embedding is a row of the (tied) head, so one table serves both.
+* ``"bfloat16"``: the weight rounded to bfloat16 (nearest, ties to even); native ``bfloat16``
+  on torch and JAX, the same 16 bits as ``uint16`` elsewhere (NumPy, CuPy, array-api-strict).
+
+Everything else (conv, Δ, A, D, norms, biases), the activations and the states stay float32. A
+:class:`QuantizedWeight` stands for the float32 ``[out, in]`` matrix it approximates: its
+``shape``, ``dtype`` (float32), ``device`` and array namespace are that matrix's, so
+:func:`portable_ssm.check_params`, the model's dtype checks and generation take quantized params
+as they are; only the matrix multiply (:func:`quantized_matmul`) and the embedding lookup
+(:func:`take_rows`) read its storage. The reference (:func:`quantized_matmul_ref`) dequantizes
+with standard array-API functions and multiplies in float32; backends replace it through
+``fast_op(xp, "quantized_matmul")``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ._array import Array, Namespace, array_backend, device, dtype_name, namespace
+from .backends import fast_op, load, to_backend
+
+#: Storage kinds :func:`quantize` accepts; ``"float32"`` leaves the params as they are.
+KINDS = ("float32", "bfloat16", "int8")
+#: Backends whose arrays hold bfloat16 natively (the others store its bits as uint16).
+NATIVE_BFLOAT16 = ("torch", "jax")
+#: Parameter names (their last two parts) stored in low precision.
+QUANTIZED_LEAVES = ("in_proj.weight", "out_proj.weight", "embedding.weight", "lm_head.weight")
+_INT8_MAX = 127
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A float32 ``[out, in]`` weight stored in low precision.
+
+    Attributes:
+        data: ``int8 [out, in]`` for ``kind="int8"``; ``bfloat16`` (torch, JAX) or its bits as
+            ``uint16 [out, in]`` (other backends) for ``kind="bfloat16"``.
+        scale: ``float32 [out]``, the per-row scale of ``"int8"``; None for ``"bfloat16"``.
+        kind: ``"int8"`` or ``"bfloat16"``.
+        dtype: the dtype the weight computes in (float32): the one activations must have.
+    """
+
+    data: Array
+    scale: Array | None
+    kind: str
+    dtype: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.data.shape)
+
+    @property
+    def device(self) -> Any:
+        return device(self.data)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: 1 (int8) or 2 (bfloat16) per element, plus 4 per row scale."""
+        per_element = 1 if self.kind == "int8" else 2
+        return math.prod(self.shape) * per_element + (0 if self.scale is None else 4 * self.shape[0])
+
+    def __array_namespace__(self, api_version: str | None = None) -> Namespace:
+        """The storage's array namespace, so ``namespace(...)`` checks see the weight's backend."""
+        return namespace(data=self.data)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight(kind={self.kind!r}, shape={self.shape}, backend={array_backend(self.data)})"
+
+
+def _quantize_int8(w: Array, *, xp: Namespace) -> QuantizedWeight:
+    absmax = xp.max(xp.abs(w), axis=1)  # [out]
+    scale = xp.where(absmax > 0, absmax, xp.ones_like(absmax)) / _INT8_MAX  # all-zero rows: scale 1/127
+    q = xp.clip(xp.round(w / scale[:, None]), -_INT8_MAX, _INT8_MAX)  # [out, in]
+    return QuantizedWeight(xp.astype(q, xp.int8), scale, "int8", w.dtype)
+
+
+def _quantize_bfloat16(w: Array, *, xp: Namespace) -> QuantizedWeight:
+    backend = array_backend(w)
+    if backend in NATIVE_BFLOAT16:
+        return QuantizedWeight(xp.astype(w, load(backend).dtype("bfloat16")), None, "bfloat16", w.dtype)
+    host = load("numpy").bfloat16_bits(load(backend).to_numpy(w))  # uint16 [out, in]
+    return QuantizedWeight(to_backend(host, backend, device=device(w)), None, "bfloat16", w.dtype)
+
+
+def quantize(params: dict[str, Array], kind: str) -> dict[str, Any]:
+    """A copy of ``params`` whose projections, embedding and LM head are stored as ``kind``.
+
+    Args:
+        params: a float32 parameter dict (core names), e.g. from :func:`portable_ssm.init_params`
+            or a trained model (detached: quantized weights carry no gradient).
+        kind: ``"int8"`` (per-output-channel scales), ``"bfloat16"``, or ``"float32"`` (a plain
+            copy of the dict, nothing converted).
+
+    Returns:
+        A dict with the same keys: :class:`QuantizedWeight` under every ``*in_proj.weight``,
+        ``*out_proj.weight``, ``embedding.weight`` and ``lm_head.weight``; the other arrays are
+        the same objects. Forward, logits and generation accept it like the float32 dict; move
+        or cast params (:func:`portable_ssm.cast_params`, ``backend=``) before quantizing them.
+    """
+    if not isinstance(params, dict):
+        raise TypeError(f"params: expected a dict of arrays, got {type(params).__name__}")
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(map(repr, KINDS))}, got {kind!r}")
+    if kind == "float32":
+        return dict(params)
+    convert = _quantize_int8 if kind == "int8" else _quantize_bfloat16
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        if ".".join(name.split(".")[-2:]) not in QUANTIZED_LEAVES:
+            out[name] = value
+            continue
+        out[name] = convert(_checked_weight(name, value), xp=namespace(**{f"params[{name!r}]": value}))
+    return out
+
+
+def _checked_weight(name: str, w: Any) -> Array:
+    """``w`` when it is a finite float32 matrix; TypeError / ValueError naming the key otherwise."""
+    if isinstance(w, QuantizedWeight):
+        raise TypeError(f"params[{name!r}]: already quantized ({w.kind}); quantize float32 params")
+    xp = namespace(**{f"params[{name!r}]": w})
+    if w.dtype != xp.float32 or w.ndim != 2:
+        raise TypeError(f"params[{name!r}]: expected a float32 [out, in] matrix, got {dtype_name(w.dtype)} "
+                        f"of shape {tuple(w.shape)} (portable_ssm.cast_params(params, 'float32') first)")
+    if not bool(xp.all(xp.isfinite(w))):
+        raise ValueError(f"params[{name!r}]: expected finite values, got inf or nan")
+    return w
+
+
+def _bfloat16_powers(like: Array, *, xp: Namespace) -> Array:
+    """``2^(max(e, 1) - 134)`` for every bfloat16 exponent field ``e`` in 0..255, float32 ``[256]``:
+    ``(128 + mantissa)`` times it is a normal number's value, ``mantissa`` times it a subnormal's."""
+    return xp.asarray([2.0 ** (max(e, 1) - 134) for e in range(256)], dtype=xp.float32, device=device(like))
+
+
+def widen_bfloat16_bits(bits: Array, *, xp: Namespace) -> Array:
+    """The float32 values of bfloat16 numbers given as their ``uint16`` bits (finite ones), with
+    standard integer arithmetic only (no bit casts): sign, exponent and mantissa fields."""
+    b = xp.astype(bits, xp.int32)
+    exponent, mantissa = (b >> 7) & 255, b & 127
+    significand = xp.where(exponent > 0, mantissa + 128, mantissa)
+    powers = xp.take(_bfloat16_powers(bits, xp=xp), xp.reshape(exponent, (-1,)))  # [size]
+    magnitude = xp.astype(significand, xp.float32) * xp.reshape(powers, exponent.shape)  # [...]
+    return xp.where((b >> 15) > 0, -magnitude, magnitude)
+
+
+def _widen_rows(w: QuantizedWeight, data: Array, scale: Array | None, *, xp: Namespace) -> Array:
+    """Rows ``data [..., in]`` of ``w``'s storage (with their ``scale [...]``) as float32."""
+    if w.kind == "int8":
+        return xp.astype(data, xp.float32) * scale[..., None]
+    if data.dtype == xp.uint16:
+        return widen_bfloat16_bits(data, xp=xp)
+    return xp.astype(data, xp.float32)
+
+
+def dequantize(w: QuantizedWeight, *, xp: Namespace) -> Array:
+    """The float32 ``[out, in]`` matrix ``w`` stores (``q · scale`` or the widened bfloat16)."""
+    return _widen_rows(w, w.data, w.scale, xp=xp)
+
+
+def take_rows(w: QuantizedWeight, ids: Array, *, xp: Namespace) -> Array:
+    """Rows ``ids [k]`` of the matrix ``w`` stores, float32 ``[k, in]``: the embedding lookup,
+    widening only the rows it reads."""
+    scale = None if w.scale is None else xp.take(w.scale, ids, axis=0)  # [k]
+    return _widen_rows(w, xp.take(w.data, ids, axis=0), scale, xp=xp)
+
+
+def quantized_matmul_ref(rows: Array, w: QuantizedWeight, *, xp: Namespace) -> Array:
+    """``rows [m, in] @ dequantize(w).T -> [m, out]`` in float32: the reference every fast path matches."""
+    return xp.matmul(rows, xp.matrix_transpose(dequantize(w, xp=xp)))  # [m, out]
+
+
+def quantized_matmul(rows: Array, w: QuantizedWeight, *, xp: Namespace) -> Array:
+    """``rows [m, in]`` (float32) times the quantized ``w [out, in]`` transposed: ``[m, out]``,
+    through the backend's ``fast_op(xp, "quantized_matmul")`` where it has one."""
+    native = fast_op(xp, "quantized_matmul")
+    return quantized_matmul_ref(rows, w, xp=xp) if native is None else native(rows, w)
+
+
+def params_nbytes(params: dict[str, Any]) -> int:
+    """Bytes held by a parameter dict, quantized weights counted by their storage."""
+    total = 0
+    for value in params.values():
+        if isinstance(value, QuantizedWeight):
+            total += value.nbytes
+            continue
+        xp = namespace(value=value)
+        total += math.prod(value.shape) * xp.finfo(value.dtype).bits // 8
+    return total

@@ -1,0 +1,284 @@
+"""Low-precision weights: int8 (per-row scales) and bfloat16 storage of the projections, embedding
+and head. The storage is exact on every backend, forward / logits / generation through quantized
+params equal the float32 model on the dequantized weights, the NumPy and torch fast paths agree
+with the array-API reference, torch's decode runs its shipped int8 / bf16 kernels, the params
+hold 1/4 and 1/2 of the float32 bytes, and a trained model keeps its logits and greedy tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_close, rel_err
+from portable_ssm.backends import fast_op, load
+
+import portable_ssm as ps
+from portable_ssm import quantized
+from portable_ssm._array import array_backend, dtype_name
+from portable_ssm.generation import generate
+from portable_ssm.lm import logits, logits_step
+from portable_ssm.quantized import QuantizedWeight, dequantize, quantized_matmul_ref
+
+CONFIG = ps.Mamba2Config(d_model=32, n_layer=2, d_state=16, headdim=16, ngroups=2, chunk_size=8,
+                         vocab_size=50, pad_vocab_size_multiple=1)
+HOST = ps.init_params(CONFIG, seed=0)
+PROJECTIONS = [k for k in HOST if k.endswith(("in_proj.weight", "out_proj.weight", "embedding.weight"))]
+KINDS = ("int8", "bfloat16")
+
+
+def prompt(b: int = 2, l: int = 13) -> np.ndarray:
+    return np.random.default_rng(1).integers(0, CONFIG.vocab_size, (b, l))
+
+
+def host_dequantized(params: dict) -> dict[str, np.ndarray]:
+    """The float32 host params a quantized dict stands for (its weights dequantized by the reference)."""
+    out = {}
+    for name, value in params.items():
+        if isinstance(value, QuantizedWeight):
+            value = dequantize(value, xp=load(array_backend(value.data)).namespace())
+        out[name] = load(array_backend(value)).to_numpy(value)
+    return out
+
+
+def weights_matrix() -> np.ndarray:
+    """A float32 ``[24, 40]`` matrix with an all-zero row and rows of very different magnitudes."""
+    w = np.random.default_rng(3).standard_normal((24, 40)).astype(np.float32)
+    w *= np.logspace(-3, 2, 24, dtype=np.float32)[:, None]
+    w[5] = 0.0
+    return w
+
+
+def test_int8_stores_each_row_rounded_over_its_absmax_scale_on_every_backend(xp):
+    w = weights_matrix()
+    q = ps.quantize({"embedding.weight": xp.asarray_from(w, "float32")}, "int8")["embedding.weight"]
+    assert isinstance(q, QuantizedWeight) and q.kind == "int8" and q.shape == (24, 40)
+    assert array_backend(q.data) == xp.name and dtype_name(q.data.dtype) == "int8"
+    assert dtype_name(q.scale.dtype) == "float32" and tuple(q.scale.shape) == (24,)
+    assert dtype_name(q.dtype) == "float32"  # what it computes in: the activations' dtype
+    absmax = np.abs(w).max(axis=1)
+    scale = np.where(absmax > 0, absmax, np.float32(1)) / np.float32(127)
+    np.testing.assert_array_equal(xp.numpy(q.scale), scale)
+    np.testing.assert_array_equal(xp.numpy(q.data), np.round(w / scale[:, None]).astype(np.int8))
+    deq = xp.numpy(dequantize(q, xp=xp.namespace))
+    assert np.all(np.abs(deq - w) <= scale[:, None] / 2 * (1 + 1e-6))  # half a step of its own row
+    np.testing.assert_array_equal(deq[5], 0.0)
+
+
+def test_bfloat16_keeps_the_nearest_bfloat16_ties_to_even_on_every_backend(xp):
+    one_ulp = 2.0 ** -7  # bfloat16's spacing at 1
+    special = np.array([1.0, 1 + one_ulp / 2, 1 + 3 * one_ulp / 2, -2.0, 2.0 ** -130, -(2.0 ** -133), 0.0,
+                        3.0e38, 1 + one_ulp / 2 + 2.0 ** -20], dtype=np.float32)
+    nearest = np.array([1.0, 1.0, 1 + 2 * one_ulp, -2.0, 2.0 ** -130, -(2.0 ** -133), 0.0,
+                        3.0e38, 1 + one_ulp], dtype=np.float32)  # [7]: not a bfloat16, checked below
+    w = np.concatenate([special, weights_matrix().ravel()[:63]]).reshape(8, 9)  # [8, 9]
+    q = ps.quantize({"lm_head.weight": xp.asarray_from(w, "float32")}, "bfloat16")["lm_head.weight"]
+    assert q.kind == "bfloat16" and q.scale is None and array_backend(q.data) == xp.name
+    assert dtype_name(q.data.dtype) == ("bfloat16" if xp.name in quantized.NATIVE_BFLOAT16 else "uint16")
+    deq = xp.numpy(dequantize(q, xp=xp.namespace)).ravel()
+    assert dtype_name(deq.dtype) == "float32"
+    np.testing.assert_array_equal(deq[[0, 1, 2, 3, 4, 5, 6, 8]], nearest[[0, 1, 2, 3, 4, 5, 6, 8]])
+    assert abs(deq[7] - 3.0e38) <= 3.0e38 * 2.0 ** -9  # the largest: within half a bfloat16 step
+    bits = load("numpy").bfloat16_bits(w)
+    np.testing.assert_array_equal(deq, (bits.astype(np.uint32) << 16).view(np.float32).ravel())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantized_logits_and_tokens_equal_the_float32_model_on_its_dequantized_weights(xp, kind):
+    params = ps.quantize(ps.cast_params(HOST, "float32", backend=xp.name, device=xp.device), kind)
+    assert all(isinstance(params[k], QuantizedWeight) for k in PROJECTIONS)
+    reference = host_dequantized(params)
+    ids = prompt()
+    out = logits(xp.asarray_from(ids, "int64"), params, config=CONFIG)
+    # torch's bf16 GEMM (prefill on CUDA, decode everywhere) rounds the projections' inputs and
+    # outputs to bfloat16 too; on CPU the 26 prefill rows take the reference
+    rtol = 1e-2 if (xp.row, kind) == ("torch-cuda", "bfloat16") else 2e-5
+    assert_close(xp, out, logits(ids, reference, config=CONFIG), rtol=rtol, dtype="float32", shape=(2, 13, 50))
+    tokens = generate(xp.asarray_from(ids, "int64"), params, config=CONFIG, max_new_tokens=4)
+    assert array_backend(tokens) == xp.name and tuple(tokens.shape) == (2, 17)
+    if (xp.name, kind) != ("torch", "bfloat16"):
+        np.testing.assert_array_equal(xp.numpy(tokens), generate(ids, reference, config=CONFIG, max_new_tokens=4))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backbone_forward_and_step_accept_quantized_projections(kind):
+    c = ps.Mamba2Config(d_model=32, n_layer=2, d_state=16, headdim=16)
+    host = ps.init_params(c, seed=2)
+    params = ps.quantize(host, kind)
+    x = np.random.default_rng(0).standard_normal((2, 9, 32)).astype(np.float32)
+    y, state = ps.forward(x, params, config=c, return_state=True)
+    reference = host_dequantized(params)
+    assert rel_err(y, ps.forward(x, reference, config=c)) <= 2e-5
+    y_t, _ = ps.step(x[:, 0], state, params, config=c)
+    assert rel_err(y_t, ps.step(x[:, 0], state, reference, config=c)[0]) <= 2e-5
+
+
+def test_untouched_params_are_the_same_arrays_and_float32_kind_converts_nothing():
+    same = ps.quantize(HOST, "float32")
+    assert same is not HOST and all(same[k] is HOST[k] for k in HOST)
+    params = ps.quantize(HOST, "int8")
+    kept = [k for k in HOST if k not in PROJECTIONS]
+    assert kept and all(params[k] is HOST[k] for k in kept)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 40])
+def test_numpy_tiled_quantized_matmul_matches_the_dequantize_then_matmul_reference(kind, rows):
+    w = np.random.default_rng(4).standard_normal((1100, 48)).astype(np.float32)  # three tiles of 512 rows
+    q = ps.quantize({"lm_head.weight": w}, kind)["lm_head.weight"]
+    v = np.random.default_rng(5).standard_normal((rows, 48)).astype(np.float32)
+    native = fast_op(load("numpy").namespace(), "quantized_matmul")
+    out = native(v, q)
+    assert out.dtype == np.float32 and out.shape == (rows, 1100)
+    assert rel_err(out, quantized_matmul_ref(v, q, xp=load("numpy").namespace())) <= 2e-6
+
+
+def _counting(monkeypatch, owner, name: str) -> list:
+    calls: list = []
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_decode_runs_the_shipped_low_precision_kernels_and_matches_the_reference(monkeypatch, kind):
+    torch = pytest.importorskip("torch")
+    backend = load("torch")
+    params = ps.quantize(ps.cast_params(HOST, "float32", backend="torch"), kind)
+    ids = torch.from_numpy(prompt())
+    _, state = logits(ids, params, config=CONFIG, return_state=True)
+    if kind == "int8":
+        calls = _counting(monkeypatch, torch, "_weight_int8pack_mm")
+    else:
+        calls = _counting(monkeypatch, backend.F, "linear")
+    out, _ = logits_step(ids[:, -1], state, params, config=CONFIG)
+    assert calls == [torch.int8 if kind == "int8" else torch.bfloat16] * (2 * CONFIG.n_layer + 1)
+    monkeypatch.delitem(backend.FAST_OPS, "quantized_matmul")
+    reference, _ = logits_step(ids[:, -1], state, params, config=CONFIG)
+    assert out.dtype == torch.float32 and tuple(out.shape) == (2, 50)
+    # int8pack: float32 products of the same int8 weights, summed in another order; bf16: torch's
+    # bf16 GEMM also rounds the rows and the result to bfloat16 (relative 2^-9 each)
+    assert rel_err(out.numpy(), reference.numpy()) <= (2e-5 if kind == "int8" else 1e-2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 40])
+def test_torch_quantized_matmul_matches_the_reference_for_decode_and_prefill_rows(kind, rows):
+    torch = pytest.importorskip("torch")
+    w = torch.from_numpy(np.random.default_rng(4).standard_normal((300, 48)).astype(np.float32))
+    q = ps.quantize({"lm_head.weight": w}, kind)["lm_head.weight"]
+    v = torch.from_numpy(np.random.default_rng(5).standard_normal((rows, 48)).astype(np.float32))
+    out = load("torch").quantized_matmul(v, q)
+    assert out.dtype == torch.float32 and tuple(out.shape) == (rows, 300)
+    reference = quantized_matmul_ref(v, q, xp=load("torch").namespace())
+    # 1 row: torch's kernels (bf16 rounds the rows and the result as well); 40 rows: the reference
+    assert rel_err(out.numpy(), reference.numpy()) <= (1e-2 if (kind, rows) == ("bfloat16", 1) else 2e-5)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_quantized_params_hold_a_quarter_int8_and_half_bfloat16_of_the_float32_bytes(backend):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    c = ps.Mamba2Config(d_model=256, n_layer=2, d_state=32, headdim=64, vocab_size=1024)
+    params = ps.init_params(c, backend=backend)
+    full = ps.params_nbytes(params)
+    assert full == 4 * sum(int(np.prod(s)) for s in ps.param_shapes(c).values())
+    for kind, low, high in (("int8", 0.25, 0.27), ("bfloat16", 0.5, 0.51)):
+        q = ps.quantize(params, kind)
+        for name in PROJECTIONS:  # the storage really is that small, scales included
+            w = q[name]
+            assert w.nbytes == w.data.nbytes + (0 if w.scale is None else w.scale.nbytes)
+        assert low < ps.params_nbytes(q) / full < high, (kind, ps.params_nbytes(q) / full)
+
+
+def test_quantize_and_load_pretrained_name_what_is_wrong(tmp_path):
+    with pytest.raises(ValueError, match="kind: expected one of 'float32', 'bfloat16', 'int8', got 'int4'"):
+        ps.quantize(HOST, "int4")
+    with pytest.raises(TypeError, match="params: expected a dict"):
+        ps.quantize([HOST], "int8")
+    with pytest.raises(TypeError, match=r"params\['embedding.weight'\]: expected a float32 \[out, in\] matrix, got "
+                                        r"float64 of shape \(50, 32\)"):
+        ps.quantize(ps.cast_params(HOST, "float64"), "int8")
+    with pytest.raises(TypeError, match=r"params\['embedding.weight'\]: already quantized \(int8\)"):
+        ps.quantize(ps.quantize(HOST, "int8"), "bfloat16")
+    name = "layers.1.mixer.out_proj.weight"
+    bad = dict(HOST, **{name: np.full_like(HOST[name], np.nan)})
+    with pytest.raises(ValueError, match=rf"params\['{name}'\]: expected finite values"):
+        ps.quantize(bad, "int8")
+    ps.Mamba2LM(HOST, CONFIG).save(tmp_path / "m.safetensors")
+    with pytest.raises(ValueError, match="weights: expected one of"):
+        ps.load_pretrained(tmp_path / "m.safetensors", weights="int4")
+    with pytest.raises(TypeError, match="save: this model holds quantized weights"):
+        ps.Mamba2LM(HOST, CONFIG).quantize("int8").save(tmp_path / "q.safetensors")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_pretrained_weights_option_quantizes_the_loaded_model(tmp_path, kind):
+    ps.Mamba2LM(HOST, CONFIG, eos_token_id=3).save(tmp_path / "m.safetensors")
+    lm = ps.load_pretrained(tmp_path / "m.safetensors", weights=kind)
+    assert all(isinstance(lm.params[k], QuantizedWeight) and lm.params[k].kind == kind for k in PROJECTIONS)
+    assert lm.eos_token_id == 3 and lm.dtype == "float32" and lm.backend == "numpy"
+    assert lm.num_parameters == ps.Mamba2LM(HOST, CONFIG).num_parameters
+    ids = prompt()
+    assert rel_err(lm.logits(ids), logits(ids, host_dequantized(lm.params), config=CONFIG)) <= 2e-5
+
+
+# --- quality on a trained model: random weights would exaggerate what rounding does ---
+
+TRAINED = ps.Mamba2Config(d_model=32, n_layer=2, d_state=16, headdim=16, vocab_size=16, chunk_size=32)
+PERIOD = 24
+
+
+def _pattern() -> np.ndarray:
+    """The repeating token sequence the model learns: 24 tokens from 16 (so one token is ambiguous
+    and the model must use its context)."""
+    return np.random.default_rng(0).integers(0, TRAINED.vocab_size, PERIOD)
+
+
+@pytest.fixture(scope="module")
+def trained_params():
+    """A 2-layer LM trained 150 AdamW steps (about 10 s on one idle core) to continue the pattern
+    from any offset: the float32 params as torch tensors, detached. Torch runs on one thread meanwhile
+    (the tests that use it too), as the model is too small to gain from more."""
+    torch = pytest.importorskip("torch")
+    from portable_ssm.backends.torch import Mamba2LMModule
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Mamba2LMModule(TRAINED, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rng, pattern = np.random.default_rng(1), _pattern()
+    for _ in range(150):
+        offsets = rng.integers(0, PERIOD, 8)
+        seq = torch.from_numpy(pattern[(offsets[:, None] + np.arange(33)) % PERIOD])  # [8, 33]
+        out = model(seq[:, :-1])  # [8, 32, 16]
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, 16), seq[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.2, f"the tiny LM did not learn its pattern (loss {loss.item():.3f})"
+    yield {k: v.detach() for k, v in model.params().items()}
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("kind, max_err", [("int8", 1e-2), ("bfloat16", 1e-2)])
+def test_trained_model_keeps_its_logits_and_greedy_tokens_with_low_precision_weights(
+        trained_params, backend, kind, max_err):
+    # measured here: logits error ‖Δ‖/‖ref‖ 0.0041 int8, 0.0018 bf16 (the 80 rows take the reference
+    # on CPU; generation decodes with torch's int8 / bf16 kernels, its bf16 GEMM rounding activations
+    # as well, 0.0034 when it ran prefill too); greedy agreement 1.0 everywhere. The bounds leave 2.4x
+    # (int8) and 2.9x (bf16) for other BLAS summation orders and torch versions.
+    params = ps.cast_params(trained_params, "float32", backend=backend)
+    ids = _pattern()[np.arange(80) % PERIOD][None]  # [1, 80]: three and a third periods
+    ids = ps.to_backend(ids, backend)
+    q = ps.quantize(params, kind)
+    ref, out = (load(backend).to_numpy(logits(ids, p, config=TRAINED)) for p in (params, q))
+    err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    assert err <= max_err, f"{kind} logits relative error {err:.4f} > {max_err}"
+    assert np.mean(out.argmax(-1) == ref.argmax(-1)) >= 0.95
+    new = [load(backend).to_numpy(generate(ids[:, :16], p, config=TRAINED, max_new_tokens=64))[0, 16:]
+           for p in (params, q)]
+    assert np.mean(new[0] == new[1]) >= 0.95, f"{kind}: greedy agreement {np.mean(new[0] == new[1]):.3f}"
+    # the float32 model learnt the pattern, so agreeing with it means continuing the pattern
+    assert np.mean(new[0] == _pattern()[np.arange(16, 80) % PERIOD]) >= 0.95
