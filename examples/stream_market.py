@@ -68,8 +68,13 @@ def seed_sized(backend: str, seed: int) -> StreamPredictor:
 
 def latency(bars: int, warmup: int) -> None:
     """Median and p99 microseconds per update of the seed-sized model on NumPy and PyTorch (CPU)."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(1)  # one update is a few small matmuls: threads only add overhead
     feed = synthetic_bars("planted", bars + warmup, seed=0)
-    results = {}
+    results: dict = {"load_average_at_start": [round(v, 1) for v in os.getloadavg()], "torch_threads": 1}
     for backend in ("numpy", "torch"):
         predictor = seed_sized(backend, seed=0)
         times = replay(predictor, feed, {}, limit=-1)[warmup:]
@@ -77,6 +82,7 @@ def latency(bars: int, warmup: int) -> None:
                             "p99_us": round(float(np.percentile(times, 99)), 1), "updates": len(times)}
         print(f"{backend}: median {results[backend]['median_us']} µs, p99 {results[backend]['p99_us']} µs "
               f"per update over {len(times)} bars (d_model 256, 2 layers, float32)")
+    results["load_average_at_end"] = [round(v, 1) for v in os.getloadavg()]
     print(json.dumps({"example": "stream_market_latency", **results}))
 
 
