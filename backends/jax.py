@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from portable_ssm.quantized import QuantizedWeight
+
 
 def namespace() -> Any:
     return jnp
@@ -59,6 +61,13 @@ def pass_states(state: Any, chunk_decay: Any, Bt: Any, X: Any, C: Any) -> tuple[
     chunks = tuple(jnp.moveaxis(v, 1, 0) for v in (chunk_decay, Bt, X, C))  # [b, c, ...] -> [c, b, ...]
     final, outputs = jax.lax.scan(body, state, chunks)
     return jnp.moveaxis(outputs, 0, 1), final  # [c, b, g, Q, r·p] -> [b, c, g, Q, r·p]
+
+
+# Quantized weights pass through jax.jit and the other transforms as their arrays (data, scale),
+# kind and dtype being static.
+jax.tree_util.register_pytree_node(
+    QuantizedWeight, lambda w: ((w.data, w.scale), (w.kind, w.dtype)),
+    lambda static, arrays: QuantizedWeight(arrays[0], arrays[1], *static))
 
 
 #: How often each function compiled by :func:`jit` was traced (once per new shape or structure).
