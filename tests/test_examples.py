@@ -154,7 +154,7 @@ def test_timeseries_model_beats_the_last_value_baseline_clearly(tmp_path, monkey
 def test_selective_copy_quick_reaches_the_readme_accuracy(tmp_path, monkeypatch, capsys):
     result = run(train_selective_copy, ["--quick", "--out", str(tmp_path)], monkeypatch, capsys)
     assert result["beats_baseline"] is True
-    assert result["accuracy"] >= 0.95 and result["lti_accuracy"] < 0.2
+    assert result["accuracy"] >= 0.95
     assert result["steps"] == train_selective_copy.QUICK["steps"]
 
 
