@@ -50,7 +50,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     """The flags every example takes. Flags without a fixed default are None here and filled by
     :func:`parse`, so ``--quick`` changes only what the command line leaves unset."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--quick", action="store_true", help="a small run (under 2 minutes on 2 CPU cores)")
+    p.add_argument("--quick", action="store_true", help="a small run (a few minutes on a CPU)")
     p.add_argument("--steps", type=int, help="optimizer steps in total (a resumed run stops here too)")
     p.add_argument("--batch-size", type=int, help="global batch, split evenly across processes")
     p.add_argument("--lr", type=float, help="peak learning rate (linear warmup, cosine decay to 10%%)")

@@ -31,7 +31,7 @@ from portable_ssm import Mamba2Config
 
 DEFAULTS = dict(steps=3000, batch_size=64, lr=5e-3, d_model=128, n_layer=2, d_state=64, eval_every=200,
                 ckpt_every=1000, out="runs/selective_copy", tokens=8, length=64, headdim=8)
-QUICK = dict(steps=1000, batch_size=32, lr=2e-2, d_model=32, n_layer=2, d_state=32, eval_every=100,
+QUICK = dict(steps=1500, batch_size=32, lr=1e-2, d_model=32, n_layer=2, d_state=32, eval_every=100,
              ckpt_every=500, tokens=4, length=32)
 VAL_SAMPLES = 512
 
@@ -73,6 +73,8 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, help="data tokens to copy per sample")
     p.add_argument("--length", type=int, help="content positions before the markers")
     p.add_argument("--vocab", type=int, default=8, help="distinct data tokens")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="train the selective model only (lti_accuracy is null, beats_baseline false)")
     return parse(p, DEFAULTS, QUICK, argv)
 
 
@@ -104,18 +106,19 @@ def main() -> None:
         return {"val_loss": float(loss(net, val_ids, val_targets)), "val_accuracy": float(accuracy)}
 
     histories = {}
-    for name, lti in (("selective", False), ("lti", True)):
+    for name, lti in (("selective", False), ("lti", True))[:1 if args.no_baseline else 2]:
         model = build(args, dist.device, lti=lti)
         task = Task(f"selective copy: {name}", model, model, batch, loss, evaluate)
         histories[name] = train(task, args, dist, Path(args.out) / name)
-    accuracy, baseline = last(histories["selective"], "val_accuracy"), last(histories["lti"], "val_accuracy")
+    accuracy = last(histories["selective"], "val_accuracy")
+    baseline = last(histories["lti"], "val_accuracy") if "lti" in histories else None
     if dist.is_main:
         curves = {f"{k} val_accuracy": h["val_accuracy"] for k, h in histories.items()}
         plot(Path(args.out) / "accuracy.png", curves, title="selective copying: selective vs LTI")
     report(dist, {"example": "selective_copy", "accuracy": accuracy, "lti_accuracy": baseline,
                   "chance": 1.0 / args.vocab, "tokens": args.tokens, "length": args.length,
                   "steps": args.steps, "processes": dist.world, "seconds": round(time.time() - started, 1),
-                  "beats_baseline": bool(accuracy >= 0.9 and accuracy - baseline >= 0.2)})
+                  "beats_baseline": baseline is not None and accuracy >= 0.9 and accuracy - baseline >= 0.2})
     teardown(dist)
 
 

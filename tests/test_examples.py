@@ -157,6 +157,14 @@ def test_selective_copy_trains_both_models_and_the_lti_rows_stay_zero(tmp_path, 
         assert np.any(w[:2 * d_inner] != 0)
 
 
+def test_selective_copy_without_baseline_trains_the_selective_model_only(tmp_path, monkeypatch, capsys):
+    argv = [*TINY, "--steps", "2", "--tokens", "2", "--length", "6", "--no-baseline", "--out", str(tmp_path)]
+    result = run(train_selective_copy, argv, monkeypatch, capsys)
+    assert result["lti_accuracy"] is None and result["beats_baseline"] is False
+    assert 0.0 <= result["accuracy"] <= 1.0
+    assert (tmp_path / "selective" / "model.safetensors").exists() and not (tmp_path / "lti").exists()
+
+
 def test_make_lti_keeps_delta_b_and_c_input_independent_through_training():
     args = train_selective_copy.arguments(["--quick", "--d-model", "16"])
     model = train_selective_copy.build(args, torch.device("cpu"), lti=True)
@@ -193,3 +201,19 @@ def test_timeseries_model_beats_the_last_value_baseline_clearly(tmp_path, monkey
     result = run(train_timeseries, ["--quick", "--steps", "100", "--out", str(tmp_path)], monkeypatch, capsys)
     assert result["beats_baseline"] is True
     assert result["val_mse"] < 0.5 * result["last_value_mse"] and result["val_mse"] < result["zero_mse"]
+
+
+@pytest.mark.slow
+def test_selective_copy_quick_reaches_the_readme_accuracy(tmp_path, monkeypatch, capsys):
+    result = run(train_selective_copy, ["--quick", "--out", str(tmp_path)], monkeypatch, capsys)
+    assert result["beats_baseline"] is True
+    assert result["accuracy"] >= 0.95
+    assert result["steps"] == train_selective_copy.QUICK["steps"]
+
+
+@pytest.mark.slow
+def test_timeseries_quick_beats_both_baselines(tmp_path, monkeypatch, capsys):
+    result = run(train_timeseries, ["--quick", "--out", str(tmp_path)], monkeypatch, capsys)
+    assert result["beats_baseline"] is True
+    assert result["val_mse"] < 0.5 * result["last_value_mse"] and result["val_mse"] < 0.6 * result["zero_mse"]
+    assert result["steps"] == train_timeseries.QUICK["steps"]

@@ -117,7 +117,8 @@ def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, grou
             v = tile
             v[...] = rows_y[start:stop]
         v = v.reshape(stop - start, groups, d // groups)  # [t, g, d/g]
-        np.vecdot(v, v, out=s[..., 0])
+        # np.vecdot(v, v) as [t, g, 1, d/g] @ [t, g, d/g, 1]: as fast, and vecdot is NumPy >= 2 only
+        np.matmul(v[..., None, :], v[..., :, None], out=s[..., None])
         s /= d // groups
         s += eps
         np.sqrt(s, out=s)
@@ -152,7 +153,10 @@ def pass_states(state: np.ndarray, chunk_decay: np.ndarray, Bt: np.ndarray, X: n
 
 def _view(v: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """``v`` reshaped without a copy (ValueError if it would need one): a target of in-place updates."""
-    return np.reshape(v, shape, copy=False)
+    out = np.reshape(v, shape)  # reshape's copy=False is NumPy >= 2.1
+    if not np.may_share_memory(out, v):
+        raise ValueError(f"cannot view an array of shape {v.shape} as {shape} without a copy")
+    return out
 
 
 def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray,
