@@ -6,6 +6,10 @@ on NumPy arrays by ``test_cuda_sources.HostEmulator`` (skipped without a C++20 h
 host runs prove the kernels' index math, masks, conversions and launch sizes; only the GPU runs prove
 NVRTC, warp behaviour and cuBLAS, and none has run yet (no GPU was available).
 
+The scan kernels also pass test_hostile_numerics' checks through ``ps.ssd_scan`` (its helpers, its
+thresholds): extreme Δ within 10x the float32 recurrence's error and 1e-10 in float64, and non-finite
+input never reaching an earlier output.
+
 Outputs and scratch are allocated filled with NaN, so an element a kernel forgets to write fails;
 each case draws fresh random data; sizes are odd (l not a multiple of the chunk, p and n not
 multiples of a warp, h spread over groups). Tolerances (max error / max |expected|): float64 1e-10,
@@ -23,7 +27,18 @@ import numpy as np
 import pytest
 from conftest import rel_err
 from test_cuda_sources import host_emulator, host_toolchain_problem, import_without_cupy
+from test_hostile_numerics import (
+    Scan,
+    causality_cases,
+    check_float32_extreme,
+    check_float64_extreme,
+    check_one_huge_step,
+    check_scan_causality,
+    float32_extremes,
+    float64_extremes,
+)
 
+import portable_ssm as ps
 from portable_ssm import ssd as core_ssd
 from portable_ssm.config import Mamba2Config
 from portable_ssm.params import init_params
@@ -327,6 +342,45 @@ def test_ssd_kernels_equal_the_sequential_recurrence(rt: Runtime, rng: np.random
                                       return_final_states=True)
     _assert_close(rt, y, y_seq, "float64", like=args["x"])
     _assert_close(rt, final, final_seq, "float64", like=args["x"])
+
+
+# --- the scan kernels under hostile numbers: test_hostile_numerics' checks, on the kernels ----------
+
+@pytest.fixture
+def kernel_scan(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> Scan:
+    """``ps.ssd_scan`` with the scan kernels as its native ``ssd_chunked`` (as PORTABLE_SSM_CUPY_KERNELS=1
+    registers them on a GPU), inputs moved to the runtime, y brought back to the host."""
+    native = core_ssd.fast_op
+    monkeypatch.setattr(core_ssd, "fast_op",
+                        lambda xp, op: rt.kernels.ssd_chunked if op == "ssd_chunked" else native(xp, op))
+
+    def scan(inputs: dict[str, np.ndarray], **kw: Any) -> np.ndarray:
+        return rt.get(ps.ssd_scan(**{k: rt.put(v) for k, v in inputs.items()}, **kw))
+
+    return scan
+
+
+@causality_cases
+def test_ssd_kernels_never_let_a_non_finite_input_at_t_change_an_output_before_t(kernel_scan: Scan,
+                                                                                  case: dict) -> None:
+    check_scan_causality(kernel_scan, case)
+
+
+@float32_extremes
+def test_ssd_kernels_in_float32_with_extreme_delta_stay_within_10x_the_recurrence(kernel_scan: Scan, seed: int,
+                                                                                  l: int, big: float, A_min: float,
+                                                                                  Q: int | None) -> None:
+    check_float32_extreme(kernel_scan, seed, l, big, A_min, Q)
+
+
+def test_ssd_kernels_keep_float32_accuracy_after_one_huge_step_in_a_chunk(kernel_scan: Scan) -> None:
+    check_one_huge_step(kernel_scan)
+
+
+@float64_extremes
+def test_ssd_kernels_in_float64_with_delta_from_1e_6_to_1e4_stay_within_1e_10(kernel_scan: Scan, seed: int, l: int,
+                                                                              A_min: float, Q: int | None) -> None:
+    check_float64_extreme(kernel_scan, seed, l, A_min, Q)
 
 
 # --- purity and validation ----------------------------------------------------------------------
