@@ -36,6 +36,8 @@ from test_hostile_numerics import (
     check_scan_causality,
     float32_extremes,
     float64_extremes,
+    poisoned,
+    quiet,
 )
 
 import portable_ssm as ps
@@ -381,6 +383,33 @@ def test_ssd_kernels_keep_float32_accuracy_after_one_huge_step_in_a_chunk(kernel
 def test_ssd_kernels_in_float64_with_delta_from_1e_6_to_1e4_stay_within_1e_10(kernel_scan: Scan, seed: int, l: int,
                                                                               A_min: float, Q: int | None) -> None:
     check_float64_extreme(kernel_scan, seed, l, A_min, Q)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+@pytest.mark.parametrize("name", ["x", "dt", "B", "C"])
+def test_ssd_kernels_keep_non_finite_input_causal_in_packed_rows_as_the_reference(
+        rt: Runtime, name: str, value: float, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With seq_idx and an initial state, over four segments of 14 steps: a non-finite entry at step t
+    leaves the outputs before t and the other row bit-equal to the clean run, and the kernels' outputs
+    are non-finite exactly where the reference's are, equal to it elsewhere."""
+    monkeypatch.setattr(core_ssd, "SEGMENT_TOKENS", 14)
+    args = _scan_args(rt, rng, "float64", initial=True, packed=True)
+    t = int(rng.integers(0, args["x"].shape[1]))
+    bad = {k: None if v is None else rt.put(v) for k, v in
+           poisoned({k: None if v is None else rt.get(v) for k, v in args.items()}, name, 1, t, value, rng).items()}
+
+    def run(a: dict[str, Any]) -> np.ndarray:
+        return rt.get(rt.kernels.ssd_chunked(a["x"], a["dt"], a["A"], a["B"], a["C"], 7, a["initial_states"],
+                                             seq_idx=a["seq_idx"])[0])
+
+    clean, y = run(args), quiet(run, bad)
+    y_ref = rt.get(quiet(reference.ssd_chunked_ref, **bad, chunk_size=7, xp=rt.xp)[0])
+    np.testing.assert_array_equal(y[:, :t], clean[:, :t])
+    np.testing.assert_array_equal(y[0], clean[0])
+    np.testing.assert_array_equal(np.isfinite(y), np.isfinite(y_ref))
+    assert not np.isfinite(y[1, t]).all()
+    finite = np.isfinite(y_ref)
+    assert rel_err(y[finite], y_ref[finite]) <= TOL["float64"]
 
 
 # --- purity and validation ----------------------------------------------------------------------

@@ -43,7 +43,7 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return request.param
 
 
-def _poisoned(host: dict, name: str, row: int, t: int, value: float, rng: np.random.Generator) -> dict:
+def poisoned(host: dict, name: str, row: int, t: int, value: float, rng: np.random.Generator) -> dict:
     """``host`` with one entry of ``name`` at batch row ``row`` and step ``t`` set to ``value``."""
     out = {k: None if v is None else v.copy() for k, v in host.items()}
     index = (row, t, *(int(rng.integers(0, s)) for s in out[name].shape[2:]))
@@ -58,7 +58,7 @@ def _finite_mask_as_recurrence(y: np.ndarray, host: dict, **kw) -> np.ndarray:
     return np.isfinite(y) == np.isfinite(y_rec)
 
 
-def _quiet(fn, *args, **kw):
+def quiet(fn, *args, **kw):
     """``fn(*args, **kw)`` with NumPy's invalid-value warnings silenced (NaN inputs are the point)."""
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -98,10 +98,10 @@ def check_scan_causality(scan: Scan, case: dict) -> None:
     rng = np.random.default_rng(case["seed"])
     host = {k: v.astype(case["dtype"]) for k, v in
             scan_inputs(case["seed"], s["b"], s["l"], s["h"], s["p"], s["g"], s["n"]).items()}
-    bad = _poisoned(host, name, row, t, case["value"], rng)
+    bad = poisoned(host, name, row, t, case["value"], rng)
     kw = dict(chunk_size=case["Q"], dt_softplus=True)
     clean = scan(host, **kw)
-    y = _quiet(scan, bad, **kw)
+    y = quiet(scan, bad, **kw)
     np.testing.assert_array_equal(y[:, :t], clean[:, :t])  # bit-equal before t
     other = [r for r in range(s["b"]) if r != row]
     np.testing.assert_array_equal(y[other], clean[other])  # other rows untouched
@@ -144,7 +144,7 @@ def test_non_finite_input_at_t_never_changes_the_conv_before_t(xp, l, t_frac, va
     bad[1, t, 2] = value
     fn = conv.causal_conv1d if native else conv.causal_conv1d_ref  # native: numpy's tiles, torch's conv1d
     clean, _ = xp.call(fn, *(xp.asarray_from(v) for v in (x, w, bias)), None, xp=xp.namespace)
-    y, _ = _quiet(xp.call, fn, *(xp.asarray_from(v) for v in (bad, w, bias)), None, xp=xp.namespace)
+    y, _ = quiet(xp.call, fn, *(xp.asarray_from(v) for v in (bad, w, bias)), None, xp=xp.namespace)
     y, clean = xp.numpy(y), xp.numpy(clean)
     np.testing.assert_array_equal(y[:, :t], clean[:, :t])
     np.testing.assert_array_equal(y[0], clean[0])
@@ -163,7 +163,7 @@ def test_non_finite_input_at_t_never_changes_the_forward_before_t(xp, l, t_frac,
     bad = x.copy()
     bad[0, t, int(seed % 8)] = value
     clean = xp.numpy(xp.call(ps.forward, xp.asarray_from(x), params=params, config=cfg))
-    y = xp.numpy(_quiet(xp.call, ps.forward, xp.asarray_from(bad), params=params, config=cfg))
+    y = xp.numpy(quiet(xp.call, ps.forward, xp.asarray_from(bad), params=params, config=cfg))
     np.testing.assert_array_equal(y[:, :t], clean[:, :t])
     np.testing.assert_array_equal(y[1], clean[1])
     assert not np.isfinite(y[0, t]).all()
