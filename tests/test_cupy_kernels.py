@@ -6,6 +6,10 @@ on NumPy arrays by ``test_cuda_sources.HostEmulator`` (skipped without a C++20 h
 host runs prove the kernels' index math, masks, conversions and launch sizes; only the GPU runs prove
 NVRTC, warp behaviour and cuBLAS, and none has run yet (no GPU was available).
 
+The scan kernels also pass test_hostile_numerics' checks through ``ps.ssd_scan`` (its helpers, its
+thresholds): extreme Δ within 10x the float32 recurrence's error and 1e-10 in float64, and non-finite
+input never reaching an earlier output.
+
 Outputs and scratch are allocated filled with NaN, so an element a kernel forgets to write fails;
 each case draws fresh random data; sizes are odd (l not a multiple of the chunk, p and n not
 multiples of a warp, h spread over groups). Tolerances (max error / max |expected|): float64 1e-10,
@@ -23,7 +27,20 @@ import numpy as np
 import pytest
 from conftest import rel_err
 from test_cuda_sources import host_emulator, host_toolchain_problem, import_without_cupy
+from test_hostile_numerics import (
+    Scan,
+    causality_cases,
+    check_float32_extreme,
+    check_float64_extreme,
+    check_one_huge_step,
+    check_scan_causality,
+    float32_extremes,
+    float64_extremes,
+    poisoned,
+    quiet,
+)
 
+import portable_ssm as ps
 from portable_ssm import ssd as core_ssd
 from portable_ssm.config import Mamba2Config
 from portable_ssm.params import init_params
@@ -327,6 +344,72 @@ def test_ssd_kernels_equal_the_sequential_recurrence(rt: Runtime, rng: np.random
                                       return_final_states=True)
     _assert_close(rt, y, y_seq, "float64", like=args["x"])
     _assert_close(rt, final, final_seq, "float64", like=args["x"])
+
+
+# --- the scan kernels under hostile numbers: test_hostile_numerics' checks, on the kernels ----------
+
+@pytest.fixture
+def kernel_scan(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> Scan:
+    """``ps.ssd_scan`` with the scan kernels as its native ``ssd_chunked`` (as PORTABLE_SSM_CUPY_KERNELS=1
+    registers them on a GPU), inputs moved to the runtime, y brought back to the host."""
+    native = core_ssd.fast_op
+    monkeypatch.setattr(core_ssd, "fast_op",
+                        lambda xp, op: rt.kernels.ssd_chunked if op == "ssd_chunked" else native(xp, op))
+
+    def scan(inputs: dict[str, np.ndarray], **kw: Any) -> np.ndarray:
+        return rt.get(ps.ssd_scan(**{k: rt.put(v) for k, v in inputs.items()}, **kw))
+
+    return scan
+
+
+@causality_cases
+def test_ssd_kernels_never_let_a_non_finite_input_at_t_change_an_output_before_t(kernel_scan: Scan,
+                                                                                  case: dict) -> None:
+    check_scan_causality(kernel_scan, case)
+
+
+@float32_extremes
+def test_ssd_kernels_in_float32_with_extreme_delta_stay_within_10x_the_recurrence(kernel_scan: Scan, seed: int,
+                                                                                  l: int, big: float, A_min: float,
+                                                                                  Q: int | None) -> None:
+    check_float32_extreme(kernel_scan, seed, l, big, A_min, Q)
+
+
+def test_ssd_kernels_keep_float32_accuracy_after_one_huge_step_in_a_chunk(kernel_scan: Scan) -> None:
+    check_one_huge_step(kernel_scan)
+
+
+@float64_extremes
+def test_ssd_kernels_in_float64_with_delta_from_1e_6_to_1e4_stay_within_1e_10(kernel_scan: Scan, seed: int, l: int,
+                                                                              A_min: float, Q: int | None) -> None:
+    check_float64_extreme(kernel_scan, seed, l, A_min, Q)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+@pytest.mark.parametrize("name", ["x", "dt", "B", "C"])
+def test_ssd_kernels_keep_non_finite_input_causal_in_packed_rows_as_the_reference(
+        rt: Runtime, name: str, value: float, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With seq_idx and an initial state, over four segments of 14 steps: a non-finite entry at step t
+    leaves the outputs before t and the other row bit-equal to the clean run, and the kernels' outputs
+    are non-finite exactly where the reference's are, equal to it elsewhere."""
+    monkeypatch.setattr(core_ssd, "SEGMENT_TOKENS", 14)
+    args = _scan_args(rt, rng, "float64", initial=True, packed=True)
+    t = int(rng.integers(0, args["x"].shape[1]))
+    bad = {k: None if v is None else rt.put(v) for k, v in
+           poisoned({k: None if v is None else rt.get(v) for k, v in args.items()}, name, 1, t, value, rng).items()}
+
+    def run(a: dict[str, Any]) -> np.ndarray:
+        return rt.get(rt.kernels.ssd_chunked(a["x"], a["dt"], a["A"], a["B"], a["C"], 7, a["initial_states"],
+                                             seq_idx=a["seq_idx"])[0])
+
+    clean, y = run(args), quiet(run, bad)
+    y_ref = rt.get(quiet(reference.ssd_chunked_ref, **bad, chunk_size=7, xp=rt.xp)[0])
+    np.testing.assert_array_equal(y[:, :t], clean[:, :t])
+    np.testing.assert_array_equal(y[0], clean[0])
+    np.testing.assert_array_equal(np.isfinite(y), np.isfinite(y_ref))
+    assert not np.isfinite(y[1, t]).all()
+    finite = np.isfinite(y_ref)
+    assert rel_err(y[finite], y_ref[finite]) <= TOL["float64"]
 
 
 # --- purity and validation ----------------------------------------------------------------------

@@ -8,12 +8,16 @@ are non-finite are exactly those the sequential recurrence makes non-finite. Che
 Accuracy: with Δ spread over many orders of magnitude inside one chunk (float32: Δ up to 1e5 and
 A down to -100; float64: Δ in [1e-6, 1e4]) the chunked scan stays within 10x the float32
 recurrence's error, and within 1e-10 in float64, both measured against a float64 recurrence.
+
+The scan checks are ``check_*`` helpers on a :data:`Scan` callable with their hypothesis draws as
+decorators, so test_cupy_kernels.py holds the CuPy kernels to the same cases and thresholds.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -39,7 +43,7 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return request.param
 
 
-def _poisoned(host: dict, name: str, row: int, t: int, value: float, rng: np.random.Generator) -> dict:
+def poisoned(host: dict, name: str, row: int, t: int, value: float, rng: np.random.Generator) -> dict:
     """``host`` with one entry of ``name`` at batch row ``row`` and step ``t`` set to ``value``."""
     out = {k: None if v is None else v.copy() for k, v in host.items()}
     index = (row, t, *(int(rng.integers(0, s)) for s in out[name].shape[2:]))
@@ -54,7 +58,7 @@ def _finite_mask_as_recurrence(y: np.ndarray, host: dict, **kw) -> np.ndarray:
     return np.isfinite(y) == np.isfinite(y_rec)
 
 
-def _quiet(fn, *args, **kw):
+def quiet(fn, *args, **kw):
     """``fn(*args, **kw)`` with NumPy's invalid-value warnings silenced (NaN inputs are the point)."""
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -75,29 +79,58 @@ def poisonings(draw):
                 dtype=draw(st.sampled_from(("float64", "float32"))))
 
 
-@SETTINGS
-@given(case=poisonings())
-@example(case=dict(s=dict(b=1, l=64, h=2, p=2, g=1, n=3), name="x", row=0, t=40, value=math.nan, Q=64, seed=0,
-                       dtype="float32"))
-@example(case=dict(s=dict(b=2, l=9, h=2, p=3, g=2, n=2), name="B", row=1, t=8, value=math.inf, Q=None, seed=1,
-                       dtype="float64"))
-def test_non_finite_input_at_t_never_changes_the_scan_before_t(xp, path, case):
+#: ``scan(inputs, **kw) -> y``: ``ps.ssd_scan`` (or what stands in for it) on host arrays, y on the host.
+Scan = Callable[..., np.ndarray]
+
+
+def matrix_scan(xp) -> Scan:
+    """``ps.ssd_scan`` on backend ``xp``, inputs moved there as they are (dtype kept), y brought back."""
+    def scan(inputs: dict, **kw) -> np.ndarray:
+        return xp.numpy(xp.call(ps.ssd_scan, **{k: xp.asarray_from(v) for k, v in inputs.items()}, **kw))
+
+    return scan
+
+
+def check_scan_causality(scan: Scan, case: dict) -> None:
+    """One poisoned entry (a :func:`poisonings` case): outputs before its step and in other rows are
+    bit-equal to the clean run's, non-finite exactly where the recurrence's are, and not all finite at it."""
     s, name, row, t = case["s"], case["name"], case["row"], case["t"]
-    if path == "native" and xp.name != "numpy":
-        pytest.skip("only numpy has a native scan on the CPU matrix")
     rng = np.random.default_rng(case["seed"])
     host = {k: v.astype(case["dtype"]) for k, v in
             scan_inputs(case["seed"], s["b"], s["l"], s["h"], s["p"], s["g"], s["n"]).items()}
-    bad = _poisoned(host, name, row, t, case["value"], rng)
+    bad = poisoned(host, name, row, t, case["value"], rng)
     kw = dict(chunk_size=case["Q"], dt_softplus=True)
-    clean = xp.numpy(xp.call(ps.ssd_scan, **{k: xp.asarray_from(v) for k, v in host.items()}, **kw))
-    y = xp.numpy(_quiet(xp.call, ps.ssd_scan, **{k: xp.asarray_from(v) for k, v in bad.items()}, **kw))
+    clean = scan(host, **kw)
+    y = quiet(scan, bad, **kw)
     np.testing.assert_array_equal(y[:, :t], clean[:, :t])  # bit-equal before t
     other = [r for r in range(s["b"]) if r != row]
     np.testing.assert_array_equal(y[other], clean[other])  # other rows untouched
     assert _finite_mask_as_recurrence(y, bad, **kw).all()  # non-finite exactly where the recurrence is
     if not (name == "dt" and case["value"] == -math.inf):  # dt = -inf is Δ = 0: a finite step
         assert not np.isfinite(y[row, t]).all()
+
+
+#: The cases every scan's causality is checked on: hypothesis draws plus two fixed ones.
+CAUSALITY_CASES = (
+    example(case=dict(s=dict(b=1, l=64, h=2, p=2, g=1, n=3), name="x", row=0, t=40, value=math.nan, Q=64, seed=0,
+                      dtype="float32")),
+    example(case=dict(s=dict(b=2, l=9, h=2, p=3, g=2, n=2), name="B", row=1, t=8, value=math.inf, Q=None, seed=1,
+                      dtype="float64")),
+)
+
+
+def causality_cases(test):
+    """``test(..., case)`` run on :data:`SETTINGS` over :func:`poisonings` and :data:`CAUSALITY_CASES`."""
+    for fixed in CAUSALITY_CASES:
+        test = fixed(test)
+    return SETTINGS(given(case=poisonings())(test))
+
+
+@causality_cases
+def test_non_finite_input_at_t_never_changes_the_scan_before_t(xp, path, case):
+    if path == "native" and xp.name != "numpy":
+        pytest.skip("only numpy has a native scan on the CPU matrix")
+    check_scan_causality(matrix_scan(xp), case)
 
 
 @SETTINGS
@@ -111,7 +144,7 @@ def test_non_finite_input_at_t_never_changes_the_conv_before_t(xp, l, t_frac, va
     bad[1, t, 2] = value
     fn = conv.causal_conv1d if native else conv.causal_conv1d_ref  # native: numpy's tiles, torch's conv1d
     clean, _ = xp.call(fn, *(xp.asarray_from(v) for v in (x, w, bias)), None, xp=xp.namespace)
-    y, _ = _quiet(xp.call, fn, *(xp.asarray_from(v) for v in (bad, w, bias)), None, xp=xp.namespace)
+    y, _ = quiet(xp.call, fn, *(xp.asarray_from(v) for v in (bad, w, bias)), None, xp=xp.namespace)
     y, clean = xp.numpy(y), xp.numpy(clean)
     np.testing.assert_array_equal(y[:, :t], clean[:, :t])
     np.testing.assert_array_equal(y[0], clean[0])
@@ -130,7 +163,7 @@ def test_non_finite_input_at_t_never_changes_the_forward_before_t(xp, l, t_frac,
     bad = x.copy()
     bad[0, t, int(seed % 8)] = value
     clean = xp.numpy(xp.call(ps.forward, xp.asarray_from(x), params=params, config=cfg))
-    y = xp.numpy(_quiet(xp.call, ps.forward, xp.asarray_from(bad), params=params, config=cfg))
+    y = xp.numpy(quiet(xp.call, ps.forward, xp.asarray_from(bad), params=params, config=cfg))
     np.testing.assert_array_equal(y[:, :t], clean[:, :t])
     np.testing.assert_array_equal(y[1], clean[1])
     assert not np.isfinite(y[0, t]).all()
@@ -146,44 +179,67 @@ def _extreme(seed: int, l: int, dtype: str, *, big: float, A_min: float, spread:
                 B=rng.standard_normal((1, l, g, n)), C=rng.standard_normal((1, l, g, n)))
 
 
-@SETTINGS
-@given(seed=st.integers(0, 2**16), l=st.sampled_from((37, 150)), big=st.sampled_from((1e2, 1e3, 1e4, 1e5)),
-       A_min=st.sampled_from((-1.0, -10.0, -100.0)), Q=st.sampled_from((None, 16, 64)))
-def test_float32_scan_with_extreme_delta_stays_within_10x_the_recurrence(xp, path, seed, l, big, A_min, Q):
-    if path == "native" and xp.name != "numpy":
-        pytest.skip("only numpy has a native scan on the CPU matrix")
+def check_float32_extreme(scan: Scan, seed: int, l: int, big: float, A_min: float, Q: int | None) -> None:
+    """Float32 with Δ log-uniform in [1e-3, 1] and three steps of ``big``: within 10x the float32 recurrence."""
     host = _extreme(seed, l, "float32", big=big, A_min=A_min, spread=(1e-3, 1.0))
     truth = ps.selective_scan(**host)  # float64
-    f32 = {k: xp.asarray_from(v, "float32") for k, v in host.items()}
+    f32 = {k: v.astype(np.float32) for k, v in host.items()}
     # the float32 recurrence's own error, on the host: the budget every path is held to
-    rec = rel_err(ps.selective_scan(**{k: v.astype(np.float32) for k, v in host.items()}), truth)
-    err = rel_err(xp.numpy(xp.call(ps.ssd_scan, **f32, chunk_size=Q)), truth)
+    rec = rel_err(ps.selective_scan(**f32), truth)
+    err = rel_err(scan(f32, chunk_size=Q), truth)
     assert err <= max(10 * rec, 10 * np.finfo(np.float32).eps), f"scan {err:.3g} vs recurrence {rec:.3g}"
 
 
-def test_one_huge_step_in_a_chunk_of_64_keeps_float32_accuracy(xp, path):
-    """The issue's case: one Δ = 1e5 in a chunk of 64, A = -1 (was 7.9e-2 native, 3.4e-3 reference)."""
+def float32_extremes(test):
+    """``test(..., seed, l, big, A_min, Q)`` on :data:`SETTINGS` over the float32 extreme-Δ draws."""
+    return SETTINGS(given(seed=st.integers(0, 2**16), l=st.sampled_from((37, 150)),
+                          big=st.sampled_from((1e2, 1e3, 1e4, 1e5)), A_min=st.sampled_from((-1.0, -10.0, -100.0)),
+                          Q=st.sampled_from((None, 16, 64)))(test))
+
+
+@float32_extremes
+def test_float32_scan_with_extreme_delta_stays_within_10x_the_recurrence(xp, path, seed, l, big, A_min, Q):
     if path == "native" and xp.name != "numpy":
         pytest.skip("only numpy has a native scan on the CPU matrix")
+    check_float32_extreme(matrix_scan(xp), seed, l, big, A_min, Q)
+
+
+def check_one_huge_step(scan: Scan) -> None:
+    """One Δ = 1e5 in a chunk of 64, A = -1: float32 within 10x the float32 recurrence."""
     rng = np.random.default_rng(0)
     host = dict(x=rng.standard_normal((1, 64, 2, 4)), dt=rng.uniform(0.01, 0.1, (1, 64, 2)), A=-np.ones(2),
                 B=rng.standard_normal((1, 64, 1, 8)), C=rng.standard_normal((1, 64, 1, 8)))
     host["dt"][0, 21] = 1e5
     truth = ps.selective_scan(**host)
-    f32 = {k: xp.asarray_from(v, "float32") for k, v in host.items()}
+    f32 = {k: v.astype(np.float32) for k, v in host.items()}
     # the float32 recurrence's own error, on the host: the budget every path is held to
-    rec = rel_err(ps.selective_scan(**{k: v.astype(np.float32) for k, v in host.items()}), truth)
-    err = rel_err(xp.numpy(xp.call(ps.ssd_scan, **f32, chunk_size=64)), truth)
+    rec = rel_err(ps.selective_scan(**f32), truth)
+    err = rel_err(scan(f32, chunk_size=64), truth)
     assert err <= 10 * rec, f"scan {err:.3g} vs recurrence {rec:.3g}"
 
 
-@SETTINGS
-@given(seed=st.integers(0, 2**16), l=st.sampled_from((37, 150)), A_min=st.sampled_from((-1.0, -10.0, -100.0)),
-       Q=st.sampled_from((None, 16, 64)))
+def test_one_huge_step_in_a_chunk_of_64_keeps_float32_accuracy(xp, path):
+    """The issue's case (was 7.9e-2 native, 3.4e-3 reference)."""
+    if path == "native" and xp.name != "numpy":
+        pytest.skip("only numpy has a native scan on the CPU matrix")
+    check_one_huge_step(matrix_scan(xp))
+
+
+def check_float64_extreme(scan: Scan, seed: int, l: int, A_min: float, Q: int | None) -> None:
+    """Float64 with Δ log-uniform in [1e-6, 1e4] and three steps of 1e4: within 1e-10 of the recurrence."""
+    host = _extreme(seed, l, "float64", big=1e4, A_min=A_min, spread=(1e-6, 1e4))
+    truth = ps.selective_scan(**host)
+    assert rel_err(scan(host, chunk_size=Q), truth) <= 1e-10
+
+
+def float64_extremes(test):
+    """``test(..., seed, l, A_min, Q)`` on :data:`SETTINGS` over the float64 extreme-Δ draws."""
+    return SETTINGS(given(seed=st.integers(0, 2**16), l=st.sampled_from((37, 150)),
+                          A_min=st.sampled_from((-1.0, -10.0, -100.0)), Q=st.sampled_from((None, 16, 64)))(test))
+
+
+@float64_extremes
 def test_float64_scan_with_delta_from_1e_6_to_1e4_stays_within_1e_10(xp, path, seed, l, A_min, Q):
     if path == "native" and xp.name != "numpy":
         pytest.skip("only numpy has a native scan on the CPU matrix")
-    host = _extreme(seed, l, "float64", big=1e4, A_min=A_min, spread=(1e-6, 1e4))
-    truth = ps.selective_scan(**host)
-    y = xp.call(ps.ssd_scan, **{k: xp.asarray_from(v, "float64") for k, v in host.items()}, chunk_size=Q)
-    assert rel_err(xp.numpy(y), truth) <= 1e-10
+    check_float64_extreme(matrix_scan(xp), seed, l, A_min, Q)

@@ -149,10 +149,12 @@ class KernelSet:
                     initial_states: Array | None, seq_idx: Array | None = None,
                     D: Array | None = None) -> tuple[Array, Array]:
         """``portable_ssm.ssd.ssd_chunked`` (D skip, no gate) with six kernels and four cuBLAS matmuls
-        per segment (ssd.cu). Inputs in the compute dtype (all float32 or all float64): ``x [b, l, h, p]``,
-        ``dt`` = Δ ``[b, l, h]``, ``A [h]``, ``B, C [b, l, g, n]``, ``initial_states [b, h, p, n]`` or
-        None, ``seq_idx [b, l]`` or None, ``D [h]`` or ``[h, p]`` or None; chunk_size None picks
-        ``choose_chunk_size(l)``. Returns ``(y [b, l, h, p], final_states [b, h, p, n])``.
+        per segment (ssd.cu), with the reference's numerics: in-chunk decays from step-by-step sums,
+        the decay floor, and non-finite input reaching no earlier output. Inputs in the compute dtype
+        (all float32 or all float64): ``x [b, l, h, p]``, ``dt`` = Δ ``[b, l, h]``, ``A [h]``,
+        ``B, C [b, l, g, n]``, ``initial_states [b, h, p, n]`` or None, ``seq_idx [b, l]`` or None,
+        ``D [h]`` or ``[h, p]`` or None; chunk_size None picks ``choose_chunk_size(l)``.
+        Returns ``(y [b, l, h, p], final_states [b, h, p, n])``.
         """
         xp = namespace(x=x, dt=dt, A=A, B=B, C=C, initial_states=initial_states, seq_idx=seq_idx, D=D)
         check_positive_int("chunk_size", chunk_size, allow_none=True)
@@ -180,15 +182,18 @@ class KernelSet:
         ids, has_seq = self._ids(seq_idx)
         y = self._empty((b, l, h, p), x.dtype)
         state = self._contiguous(initial_states)
+        floor = _compute(suffix)(core_ssd.decay_floor(x.dtype, xp=xp))  # decay factors below exp(floor) are 0
         for t0 in range(0, l, step):
             length = min(step, l - t0)
-            state = self._ssd_segment(x, dt, A, B, C, ids, has_seq, t0, length, Q, state, y, suffix)
+            state = self._ssd_segment(x, dt, A, B, C, ids, has_seq, t0, length, Q, state, y, suffix, floor)
         return skip_and_gate(y, x, D, None, xp=xp), state
 
     def _ssd_segment(self, x: Array, dt: Array, A: Array, B: Array, C: Array, ids: Array, has_seq: np.int32,
-                     t0: int, length: int, Q: int, state: Array | None, y: Array, suffix: str) -> Array:
+                     t0: int, length: int, Q: int, state: Array | None, y: Array, suffix: str,
+                     floor: np.floating) -> Array:
         """Steps ``t0 .. t0+length`` of the scan into ``y`` (a fresh output of ``ssd_chunked``), from
-        ``state`` (None: zeros); returns the state after the segment."""
+        ``state`` (None: zeros); returns the state after the segment. ``floor`` is
+        ``portable_ssm.ssd.decay_floor`` in the compute dtype."""
         cp, empty = self.cp, self._empty
         b, L, h, p = x.shape
         g, n = B.shape[2:]
@@ -197,20 +202,22 @@ class KernelSet:
         dtype = x.dtype
         seg = (np.int64(b), np.int64(L), np.int64(t0), np.int64(length), np.int64(c), np.int64(Q))
 
-        acs = empty((b, c, h, Q), dtype)  # cumsum of A·Δ per chunk
-        self._grid_stride("ssd", f"ssd_chunk_cumsum_{suffix}", b * c * h, (dt, A, acs, *seg, np.int64(h)))
+        a, acs, to_end = (empty((b, c, h, Q), dtype) for _ in range(3))  # A·Δ, its running and suffix sums
+        self._grid_stride("ssd", f"ssd_chunk_exponents_{suffix}", b * c * h,
+                          (dt, A, a, acs, to_end, *seg, np.int64(h)))
         Bg, Cg = empty((b, c, g, Q, n), dtype), empty((b, c, g, Q, n), dtype)
         self._grid_stride("ssd", f"ssd_pad_bc_{suffix}", b * c * g * Q * n,
                           (B, C, Bg, Cg, *seg, np.int64(g), np.int64(n)))
         Xh, Xd = empty((b, c, h, Q, p), dtype), empty((b, c, g, Q, r * p), dtype)
         self._grid_stride("ssd", f"ssd_scale_x_{suffix}", b * c * Q * h * p,
-                          (x, dt, acs, ids, Xh, Xd, *seg, np.int64(h), np.int64(p), np.int64(g), has_seq))
+                          (x, dt, to_end, ids, Xh, Xd, *seg, np.int64(h), np.int64(p), np.int64(g), floor,
+                           has_seq))
 
         # 1. diagonal blocks: M = (C Bᵀ) ⊙ exp(segsum), then M X
         CB = cp.ascontiguousarray(cp.matmul(Cg, Bg.swapaxes(-1, -2)))  # [b, c, g, Q, Q]
         M = empty((b, c, h, Q, Q), dtype)
         self._grid_stride("ssd", f"ssd_diag_mask_{suffix}", b * c * h * Q * Q,
-                          (CB, acs, ids, M, *seg, np.int64(h), np.int64(g), has_seq))
+                          (CB, a, ids, M, *seg, np.int64(h), np.int64(g), floor, has_seq))
         Y_diag = cp.ascontiguousarray(cp.matmul(M, Xh))  # [b, c, h, Q, p]
 
         # 2. chunk states: S = Xdᵀ B per group
@@ -220,14 +227,15 @@ class KernelSet:
         S_in, final = empty((b, c, h, p, n), dtype), empty((b, h, p, n), dtype)
         init = x if state is None else state  # a placeholder is never read
         self._grid_stride("ssd", f"ssd_state_passing_{suffix}", b * h * p * n,
-                          (S, acs, init, ids, S_in, final, *seg, np.int64(h), np.int64(p * n),
+                          (S, acs, init, ids, S_in, final, *seg, np.int64(h), np.int64(p * n), floor,
                            np.int32(state is not None), has_seq))
 
         # 4. state -> output: C read against the entering state, decayed, plus the diagonal part
         S_in = S_in.reshape(b, c, g, r * p, n)  # [b, c, h, p, n] -> [b, c, g, r·p, n]
         Y_off = cp.ascontiguousarray(cp.matmul(Cg, S_in.swapaxes(-1, -2)))  # [b, c, g, Q, r·p]
         self._grid_stride("ssd", f"ssd_combine_{suffix}", b * length * h * p,
-                          (Y_diag, Y_off, acs, ids, y, *seg, np.int64(h), np.int64(p), np.int64(g), has_seq))
+                          (Y_diag, Y_off, acs, x, dt, ids, y, *seg, np.int64(h), np.int64(p), np.int64(g), floor,
+                           has_seq))
         return final
 
     def decode_step(self, xBC: Array, dt: Array, z: Array, conv_state: Array, ssm_state: Array,

@@ -78,6 +78,15 @@ __device__ __forceinline__ double acc_min(double a, double b) { return fmin(a, b
 __device__ __forceinline__ float acc_max(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double acc_max(double a, double b) { return fmax(a, b); }
 
+// exp(exponent) for a sum of A·Δ <= 0, flushed to exactly 0 below `floor` (portable_ssm.ssd.decay_floor,
+// passed in by the caller); a NaN exponent gives 0 too, as portable_ssm.ssd.decay.
+template <typename F> __device__ __forceinline__ F decay_factor(F exponent, F floor) {
+    return exponent >= floor ? acc_exp(exponent) : (F)0;
+}
+
+// v is neither inf nor NaN: v - v is 0 exactly for finite v (IEEE arithmetic; no fast-math anywhere).
+template <typename F> __device__ __forceinline__ bool is_finite(F v) { return v - v == (F)0; }
+
 // softplus and silu written as portable_ssm._array writes them, so kernel and reference agree.
 __device__ __forceinline__ float softplus(float v) { return fmaxf(v, 0.0f) + log1pf(expf(-fabsf(v))); }
 __device__ __forceinline__ double softplus(double v) { return fmax(v, 0.0) + log1p(exp(-fabs(v))); }
@@ -91,6 +100,14 @@ template <typename A> __device__ __forceinline__ A warp_sum(A v) {
         v += __shfl_xor_sync(0xffffffffu, v, offset);
     }
     return v;
+}
+
+// The fastest-varying coordinate of the row-major flat index `rest` along an axis of `extent`; `rest`
+// keeps the slower ones. Peel the axes fastest first; what is left is the slowest coordinate.
+__device__ __forceinline__ long long peel(long long& rest, long long extent) {
+    const long long coordinate = rest % extent;
+    rest /= extent;
+    return coordinate;
 }
 
 // Grid-stride loop over `total` elements of a 1-D launch (64-bit indices).

@@ -1,13 +1,20 @@
 // The chunked SSD scan's non-matmul parts (MAMBA2_SPEC.md, "Chunked SSD"); the three matmuls
 // (C Bᵀ, M X and the chunk/entering-state products) run in cuBLAS through cupy.matmul. Together they
-// equal portable_ssm.ssd.ssd_chunked, step for step:
+// equal portable_ssm.ssd.ssd_chunked_ref, step for step, with its numerics:
 //
-//   chunk cumsum   acs = cumsum(A·Δ) inside each chunk                       ssd_chunk_cumsum
-//   layout         B, C -> [b, c, g, Q, n], zero-padded past the end          ssd_pad_bc
-//   X = x·Δ        Xh [b, c, h, Q, p]; Xd = X decayed to the chunk end         ssd_scale_x
-//   1. diagonal    M = (C Bᵀ) ⊙ exp(segsum), lower triangle only              ssd_diag_mask
-//   3. passing     S_in[c+1] = exp(acs_c[-1]) · S_in[c] + S_c                 ssd_state_passing
-//   4. output      y = Y_diag + exp(acs) · Y_off                              ssd_combine
+//   exponents      a = A·Δ, acs = its running sum, to_end = a[q+1] + ... + a[Q-1]   ssd_chunk_exponents
+//   layout         B, C -> [b, c, g, Q, n], zero-padded past the end                ssd_pad_bc
+//   X = x·Δ        Xh [b, c, h, Q, p] (non-finite -> 0); Xd = X decayed to the end   ssd_scale_x
+//   1. diagonal    M = (C Bᵀ) ⊙ exp(a[j+1] + ... + a[i]), lower triangle only        ssd_diag_mask
+//   3. passing     S_in[c+1] = exp(acs_c[-1]) · S_in[c] + S_c                       ssd_state_passing
+//   4. output      y = Y_diag + poison + exp(acs) · Y_off                           ssd_combine
+//
+// Every in-chunk exponent is a sum of the step exponents between the two steps (the "stable
+// segsum"), never a difference of running sums, which would lose the digits of one huge |A·Δ| for
+// every later pair. Each decay factor below exp(floor) (floor = portable_ssm.ssd.decay_floor) is
+// flushed to 0, a NaN exponent too. Non-finite input stays causal: non-finite X enter M X as 0 and
+// come back as NaN from their step on ("poison", the running sum of X - X over the chunk), M is 0
+// above the diagonal whatever C Bᵀ holds, and later chunks see them through the states.
 //
 // Shape legend: b batch, L the full length, a segment of len steps from t0 is cut into c chunks of
 // Q (the last one padded), h heads, p headdim, g groups (head i reads group i / (h/g)), n state.
@@ -17,37 +24,60 @@
 // (or the row's first id at t0 = 0).
 #include "common.cuh"
 
-// The id of padded step t of the segment.
-__device__ __forceinline__ long long seq_at(const long long* seq, long long row, long long L, long long t0,
-                                            long long len, long long t) {
-    return seq[row * L + t0 + (t < len ? t : len - 1)];
-}
+// Where a segment lies, and the index arithmetic every kernel shares.
+struct Segment {
+    long long b, L, t0, len, c, Q;
 
-// The id of the state entering chunk ci: that of the step just before the chunk.
-__device__ __forceinline__ long long entering_id(const long long* seq, long long row, long long L, long long t0,
-                                                 long long ci, long long Q) {
-    const long long t = t0 + ci * Q - 1;
-    return seq[row * L + (t >= 0 ? t : 0)];
-}
+    // Flat index of step t (of the segment) of batch row `row` in an array [b, L, ...], in units of
+    // the trailing axes' size.
+    __device__ __forceinline__ long long step(long long row, long long t) const { return row * L + t0 + t; }
+    // Flat index of chunk ci of batch row `row` in an array [b, c, ...], in the same units.
+    __device__ __forceinline__ long long chunk(long long row, long long ci) const { return row * c + ci; }
+    // Start of head hi's Q steps of chunk `chunk` in an array [b, c, h, Q].
+    __device__ __forceinline__ long long head_steps(long long chunk, long long h, long long hi) const {
+        return (chunk * h + hi) * Q;
+    }
+    // Element (q, head hi, pi) of chunk `chunk` in the grouped layout [b, c, g, Q, (h/g)·p] of Xd and Y_off.
+    __device__ __forceinline__ long long grouped(long long chunk, long long q, long long hi, long long pi,
+                                                 long long h, long long p, long long g) const {
+        const long long r = h / g;
+        return ((chunk * g + hi / r) * Q + q) * (r * p) + (hi % r) * p + pi;
+    }
+    // The id of padded step t of the segment.
+    __device__ __forceinline__ long long seq_at(const long long* seq, long long row, long long t) const {
+        return seq[step(row, t < len ? t : len - 1)];
+    }
+    // The id of the state entering chunk ci: that of the step just before the chunk.
+    __device__ __forceinline__ long long entering_id(const long long* seq, long long row, long long ci) const {
+        const long long t = t0 + ci * Q - 1;
+        return seq[row * L + (t >= 0 ? t : 0)];
+    }
+};
 
-// acs [b, c, h, Q]. Grid: 1-D grid-stride over (b, c, h), h fastest (neighbouring threads read
-// neighbouring Δ); each thread runs the Q-step sum of its chunk and head. Padded steps add 0.
+// a = A·Δ (0 on padded steps), acs = a[0] + ... + a[q] and to_end = a[q+1] + ... + a[Q-1], each
+// [b, c, h, Q]: to_end is summed from the chunk's end, step by step. Grid: 1-D grid-stride over
+// (b, c, h), h fastest (neighbouring threads read neighbouring Δ); one thread per chunk and head.
 template <typename F>
-__device__ void ssd_chunk_cumsum(const F* __restrict__ dt, const F* __restrict__ A, F* __restrict__ acs,
-                                 long long b, long long L, long long t0, long long len, long long c,
-                                 long long Q, long long h) {
-    GRID_STRIDE_LOOP(i, b * c * h) {
-        const long long hi = i % h;
-        const long long ci = (i / h) % c;
-        const long long row = i / (h * c);
-        F* out = acs + ((row * c + ci) * h + hi) * Q;
+__device__ void ssd_chunk_exponents(const F* __restrict__ dt, const F* __restrict__ A, F* __restrict__ a,
+                                    F* __restrict__ acs, F* __restrict__ to_end, const Segment s, long long h) {
+    GRID_STRIDE_LOOP(i, s.b * s.c * h) {
+        long long rest = i;
+        const long long hi = peel(rest, h);
+        const long long ci = peel(rest, s.c);
+        const long long row = rest;
+        const long long at = s.head_steps(s.chunk(row, ci), h, hi);
         F run = 0;
-        for (long long q = 0; q < Q; ++q) {
-            const long long t = ci * Q + q;
-            if (t < len) {
-                run += dt[(row * L + t0 + t) * h + hi] * A[hi];
-            }
-            out[q] = run;
+        for (long long q = 0; q < s.Q; ++q) {
+            const long long t = ci * s.Q + q;
+            const F step = t < s.len ? dt[s.step(row, t) * h + hi] * A[hi] : (F)0;
+            a[at + q] = step;
+            run += step;
+            acs[at + q] = run;
+        }
+        F suffix = 0;
+        for (long long q = s.Q - 1; q >= 0; --q) {
+            to_end[at + q] = suffix;
+            suffix += a[at + q];
         }
     }
 }
@@ -55,19 +85,19 @@ __device__ void ssd_chunk_cumsum(const F* __restrict__ dt, const F* __restrict__
 // Bg, Cg [b, c, g, Q, n] from B, C [b, L, g, n]. Grid: 1-D grid-stride over the outputs, n fastest.
 template <typename F>
 __device__ void ssd_pad_bc(const F* __restrict__ B, const F* __restrict__ C, F* __restrict__ Bg,
-                           F* __restrict__ Cg, long long b, long long L, long long t0, long long len,
-                           long long c, long long Q, long long g, long long n) {
-    GRID_STRIDE_LOOP(i, b * c * g * Q * n) {
-        const long long ni = i % n;
-        const long long q = (i / n) % Q;
-        const long long gi = (i / (n * Q)) % g;
-        const long long ci = (i / (n * Q * g)) % c;
-        const long long row = i / (n * Q * g * c);
-        const long long t = ci * Q + q;
+                           F* __restrict__ Cg, const Segment s, long long g, long long n) {
+    GRID_STRIDE_LOOP(i, s.b * s.c * g * s.Q * n) {
+        long long rest = i;
+        const long long ni = peel(rest, n);
+        const long long q = peel(rest, s.Q);
+        const long long gi = peel(rest, g);
+        const long long ci = peel(rest, s.c);
+        const long long row = rest;
+        const long long t = ci * s.Q + q;
         F bv = 0;
         F cv = 0;
-        if (t < len) {
-            const long long src = ((row * L + t0 + t) * g + gi) * n + ni;
+        if (t < s.len) {
+            const long long src = (s.step(row, t) * g + gi) * n + ni;
             bv = B[src];
             cv = C[src];
         }
@@ -76,57 +106,59 @@ __device__ void ssd_pad_bc(const F* __restrict__ B, const F* __restrict__ C, F* 
     }
 }
 
-// X = x·Δ into Xh [b, c, h, Q, p] (for Y_diag = M X) and, decayed to the chunk end and kept only
-// for the chunk's last sequence, into Xd [b, c, g, Q, (h/g)·p] (for S = Xdᵀ B per group).
-// Grid: 1-D grid-stride over (b, c, Q, h, p), p fastest, as x is stored.
+// X = x·Δ into Xh [b, c, h, Q, p] (for Y_diag = M Xh), non-finite values as 0, and, decayed to the
+// chunk end and kept only for the chunk's last sequence, into Xd [b, c, g, Q, (h/g)·p] (for
+// S = Xdᵀ B per group; non-finite values kept). Grid: 1-D grid-stride over (b, c, Q, h, p), p fastest.
 template <typename F>
-__device__ void ssd_scale_x(const F* __restrict__ x, const F* __restrict__ dt, const F* __restrict__ acs,
+__device__ void ssd_scale_x(const F* __restrict__ x, const F* __restrict__ dt, const F* __restrict__ to_end,
                             const long long* __restrict__ seq, F* __restrict__ Xh, F* __restrict__ Xd,
-                            long long b, long long L, long long t0, long long len, long long c, long long Q,
-                            long long h, long long p, long long g, int has_seq) {
-    GRID_STRIDE_LOOP(i, b * c * Q * h * p) {
-        const long long pi = i % p;
-        const long long hi = (i / p) % h;
-        const long long q = (i / (p * h)) % Q;
-        const long long ci = (i / (p * h * Q)) % c;
-        const long long row = i / (p * h * Q * c);
-        const long long t = ci * Q + q;
-        const long long r = h / g;
+                            const Segment s, long long h, long long p, long long g, F floor, int has_seq) {
+    GRID_STRIDE_LOOP(i, s.b * s.c * s.Q * h * p) {
+        long long rest = i;
+        const long long pi = peel(rest, p);
+        const long long hi = peel(rest, h);
+        const long long q = peel(rest, s.Q);
+        const long long ci = peel(rest, s.c);
+        const long long row = rest;
+        const long long t = ci * s.Q + q;
+        const long long chunk = s.chunk(row, ci);
         F X = 0;
-        if (t < len) {
-            const long long step = (row * L + t0 + t) * h + hi;
+        if (t < s.len) {
+            const long long step = s.step(row, t) * h + hi;
             X = x[step * p + pi] * dt[step];
         }
-        const F* a = acs + ((row * c + ci) * h + hi) * Q;
-        F to_end = acc_exp(acc_min(a[Q - 1] - a[q], (F)0));
-        if (has_seq && seq_at(seq, row, L, t0, len, t) != seq_at(seq, row, L, t0, len, ci * Q + Q - 1)) {
-            to_end = 0;
+        F decay = decay_factor(to_end[s.head_steps(chunk, h, hi) + q], floor);
+        if (has_seq && s.seq_at(seq, row, t) != s.seq_at(seq, row, ci * s.Q + s.Q - 1)) {
+            decay = 0;
         }
-        Xh[(((row * c + ci) * h + hi) * Q + q) * p + pi] = X;
-        Xd[(((row * c + ci) * g + hi / r) * Q + q) * (r * p) + (hi % r) * p + pi] = X * to_end;
+        Xh[(s.head_steps(chunk, h, hi) + q) * p + pi] = is_finite(X) ? X : (F)0;
+        Xd[s.grouped(chunk, q, hi, pi, h, p, g)] = X * decay;
     }
 }
 
-// 1. M [b, c, h, Q, Q] = CB [b, c, g, Q, Q] ⊙ exp(acs[i] - acs[j]) for j <= i (and i, j in one
-// sequence), else 0. Grid: 1-D grid-stride over M, j fastest.
+// 1. M [b, c, h, Q, Q] = CB [b, c, g, Q, Q] ⊙ exp(a[j+1] + ... + a[i]) for j <= i (and i, j in one
+// sequence), else 0 (also where CB is not finite). Grid: 1-D grid-stride over M, j fastest; each
+// thread sums its i - j exponents in step order, as portable_ssm.ssd.stable_segsum.
 template <typename F>
-__device__ void ssd_diag_mask(const F* __restrict__ CB, const F* __restrict__ acs,
-                              const long long* __restrict__ seq, F* __restrict__ M, long long b, long long L,
-                              long long t0, long long len, long long c, long long Q, long long h, long long g,
-                              int has_seq) {
-    GRID_STRIDE_LOOP(i, b * c * h * Q * Q) {
-        const long long j = i % Q;
-        const long long qi = (i / Q) % Q;
-        const long long hi = (i / (Q * Q)) % h;
-        const long long ci = (i / (Q * Q * h)) % c;
-        const long long row = i / (Q * Q * h * c);
+__device__ void ssd_diag_mask(const F* __restrict__ CB, const F* __restrict__ a, const long long* __restrict__ seq,
+                              F* __restrict__ M, const Segment s, long long h, long long g, F floor, int has_seq) {
+    GRID_STRIDE_LOOP(i, s.b * s.c * h * s.Q * s.Q) {
+        long long rest = i;
+        const long long j = peel(rest, s.Q);
+        const long long qi = peel(rest, s.Q);
+        const long long hi = peel(rest, h);
+        const long long ci = peel(rest, s.c);
+        const long long row = rest;
+        const long long chunk = s.chunk(row, ci);
         F m = 0;
-        const bool same = !has_seq || seq_at(seq, row, L, t0, len, ci * Q + qi) ==
-                                          seq_at(seq, row, L, t0, len, ci * Q + j);
+        const bool same = !has_seq || s.seq_at(seq, row, ci * s.Q + qi) == s.seq_at(seq, row, ci * s.Q + j);
         if (j <= qi && same) {
-            const F* a = acs + ((row * c + ci) * h + hi) * Q;
-            const long long gi = hi / (h / g);
-            m = CB[(((row * c + ci) * g + gi) * Q + qi) * Q + j] * acc_exp(acc_min(a[qi] - a[j], (F)0));
+            const F* steps = a + s.head_steps(chunk, h, hi);
+            F segsum = 0;
+            for (long long k = j + 1; k <= qi; ++k) {
+                segsum += steps[k];
+            }
+            m = CB[((chunk * g + hi / (h / g)) * s.Q + qi) * s.Q + j] * decay_factor(segsum, floor);
         }
         M[i] = m;
     }
@@ -139,18 +171,18 @@ __device__ void ssd_diag_mask(const F* __restrict__ CB, const F* __restrict__ ac
 template <typename F>
 __device__ void ssd_state_passing(const F* __restrict__ S, const F* __restrict__ acs, const F* __restrict__ init,
                                   const long long* __restrict__ seq, F* __restrict__ S_in, F* __restrict__ final_state,
-                                  long long b, long long L, long long t0, long long len, long long c,
-                                  long long Q, long long h, long long pn, int has_init, int has_seq) {
-    GRID_STRIDE_LOOP(i, b * h * pn) {
-        const long long e = i % (h * pn);
+                                  const Segment s, long long h, long long pn, F floor, int has_init, int has_seq) {
+    GRID_STRIDE_LOOP(i, s.b * h * pn) {
+        long long rest = i;
+        const long long e = peel(rest, h * pn);
+        const long long row = rest;
         const long long hi = e / pn;
-        const long long row = i / (h * pn);
         F st = has_init ? init[i] : (F)0;
-        for (long long ci = 0; ci < c; ++ci) {
-            const long long chunk = row * c + ci;
+        for (long long ci = 0; ci < s.c; ++ci) {
+            const long long chunk = s.chunk(row, ci);
             S_in[chunk * h * pn + e] = st;
-            F decay = acc_exp(acs[(chunk * h + hi) * Q + Q - 1]);
-            if (has_seq && seq_at(seq, row, L, t0, len, ci * Q + Q - 1) != entering_id(seq, row, L, t0, ci, Q)) {
+            F decay = decay_factor(acs[s.head_steps(chunk, h, hi) + s.Q - 1], floor);
+            if (has_seq && s.seq_at(seq, row, ci * s.Q + s.Q - 1) != s.entering_id(seq, row, ci)) {
                 decay = 0;
             }
             st = decay * st + S[chunk * h * pn + e];
@@ -159,66 +191,73 @@ __device__ void ssd_state_passing(const F* __restrict__ S, const F* __restrict__
     }
 }
 
-// 4. y[b, t0 + t, h, p] = Y_diag [b, c, h, Q, p] + exp(acs) · Y_off [b, c, g, Q, (h/g)·p], the
-// entering state reaching only the steps of the sequence it belongs to. Grid: 1-D grid-stride over
-// the segment's (b, len, h, p) outputs, p fastest, as y is stored.
+// 4. y[b, t0 + t, h, p] = Y_diag [b, c, h, Q, p] + poison + exp(acs) · Y_off [b, c, g, Q, (h/g)·p],
+// the entering state reaching only the steps of the sequence it belongs to; poison is the running
+// sum of X - X from the chunk's start to t (0, or NaN from a non-finite X on, which Xh held as 0).
+// Grid: 1-D grid-stride over the segment's (b, len, h, p) outputs, p fastest, as y is stored.
 template <typename F>
 __device__ void ssd_combine(const F* __restrict__ Y_diag, const F* __restrict__ Y_off, const F* __restrict__ acs,
-                            const long long* __restrict__ seq, F* __restrict__ y, long long b, long long L,
-                            long long t0, long long len, long long c, long long Q, long long h, long long p,
-                            long long g, int has_seq) {
-    GRID_STRIDE_LOOP(i, b * len * h * p) {
-        const long long pi = i % p;
-        const long long hi = (i / p) % h;
-        const long long t = (i / (p * h)) % len;
-        const long long row = i / (p * h * len);
-        const long long ci = t / Q;
-        const long long q = t % Q;
-        const long long r = h / g;
-        const long long chunk = row * c + ci;
-        F decay = acc_exp(acs[(chunk * h + hi) * Q + q]);
-        if (has_seq && seq_at(seq, row, L, t0, len, t) != entering_id(seq, row, L, t0, ci, Q)) {
+                            const F* __restrict__ x, const F* __restrict__ dt, const long long* __restrict__ seq,
+                            F* __restrict__ y, const Segment s, long long h, long long p, long long g, F floor,
+                            int has_seq) {
+    GRID_STRIDE_LOOP(i, s.b * s.len * h * p) {
+        long long rest = i;
+        const long long pi = peel(rest, p);
+        const long long hi = peel(rest, h);
+        const long long t = peel(rest, s.len);
+        const long long row = rest;
+        const long long ci = t / s.Q;
+        const long long q = t % s.Q;
+        const long long chunk = s.chunk(row, ci);
+        F decay = decay_factor(acs[s.head_steps(chunk, h, hi) + q], floor);
+        if (has_seq && s.seq_at(seq, row, t) != s.entering_id(seq, row, ci)) {
             decay = 0;
         }
-        const F off = Y_off[((chunk * g + hi / r) * Q + q) * (r * p) + (hi % r) * p + pi] * decay;
-        y[((row * L + t0 + t) * h + hi) * p + pi] = Y_diag[((chunk * h + hi) * Q + q) * p + pi] + off;
+        F poison = 0;
+        for (long long k = ci * s.Q; k <= t; ++k) {
+            const long long step = s.step(row, k) * h + hi;
+            const F X = x[step * p + pi] * dt[step];
+            poison += X - X;
+        }
+        const F off = Y_off[s.grouped(chunk, q, hi, pi, h, p, g)] * decay;
+        y[(s.step(row, t) * h + hi) * p + pi] = Y_diag[(s.head_steps(chunk, h, hi) + q) * p + pi] + poison + off;
     }
 }
 
+// The kernels' segment arguments, and the Segment they make.
+#define SSD_SEGMENT_PARAMS long long b, long long L, long long t0, long long len, long long c, long long Q
+#define SSD_SEGMENT Segment{b, L, t0, len, c, Q}
+
 #define SSD_KERNELS(SUFFIX, F)                                                                          \
-    extern "C" __global__ void ssd_chunk_cumsum_##SUFFIX(const F* dt, const F* A, F* acs, long long b,  \
-                                                         long long L, long long t0, long long len,      \
-                                                         long long c, long long Q, long long h) {       \
-        ssd_chunk_cumsum<F>(dt, A, acs, b, L, t0, len, c, Q, h);                                        \
+    extern "C" __global__ void ssd_chunk_exponents_##SUFFIX(const F* dt, const F* A, F* a, F* acs,      \
+                                                            F* to_end, SSD_SEGMENT_PARAMS, long long h) { \
+        ssd_chunk_exponents<F>(dt, A, a, acs, to_end, SSD_SEGMENT, h);                                  \
     }                                                                                                   \
-    extern "C" __global__ void ssd_pad_bc_##SUFFIX(const F* B, const F* C, F* Bg, F* Cg, long long b,    \
-                                                   long long L, long long t0, long long len, long long c, \
-                                                   long long Q, long long g, long long n) {              \
-        ssd_pad_bc<F>(B, C, Bg, Cg, b, L, t0, len, c, Q, g, n);                                         \
+    extern "C" __global__ void ssd_pad_bc_##SUFFIX(const F* B, const F* C, F* Bg, F* Cg, SSD_SEGMENT_PARAMS, \
+                                                   long long g, long long n) {                          \
+        ssd_pad_bc<F>(B, C, Bg, Cg, SSD_SEGMENT, g, n);                                                 \
     }                                                                                                   \
-    extern "C" __global__ void ssd_scale_x_##SUFFIX(                                                    \
-        const F* x, const F* dt, const F* acs, const long long* seq, F* Xh, F* Xd, long long b,          \
-        long long L, long long t0, long long len, long long c, long long Q, long long h, long long p,     \
-        long long g, int has_seq) {                                                                     \
-        ssd_scale_x<F>(x, dt, acs, seq, Xh, Xd, b, L, t0, len, c, Q, h, p, g, has_seq);                 \
+    extern "C" __global__ void ssd_scale_x_##SUFFIX(const F* x, const F* dt, const F* to_end,            \
+                                                    const long long* seq, F* Xh, F* Xd, SSD_SEGMENT_PARAMS, \
+                                                    long long h, long long p, long long g, F floor,     \
+                                                    int has_seq) {                                      \
+        ssd_scale_x<F>(x, dt, to_end, seq, Xh, Xd, SSD_SEGMENT, h, p, g, floor, has_seq);               \
     }                                                                                                   \
-    extern "C" __global__ void ssd_diag_mask_##SUFFIX(                                                  \
-        const F* CB, const F* acs, const long long* seq, F* M, long long b, long long L, long long t0,   \
-        long long len, long long c, long long Q, long long h, long long g, int has_seq) {                \
-        ssd_diag_mask<F>(CB, acs, seq, M, b, L, t0, len, c, Q, h, g, has_seq);                          \
+    extern "C" __global__ void ssd_diag_mask_##SUFFIX(const F* CB, const F* a, const long long* seq, F* M, \
+                                                      SSD_SEGMENT_PARAMS, long long h, long long g, F floor, \
+                                                      int has_seq) {                                    \
+        ssd_diag_mask<F>(CB, a, seq, M, SSD_SEGMENT, h, g, floor, has_seq);                             \
     }                                                                                                   \
     extern "C" __global__ void ssd_state_passing_##SUFFIX(                                              \
         const F* S, const F* acs, const F* init, const long long* seq, F* S_in, F* final_state,          \
-        long long b, long long L, long long t0, long long len, long long c, long long Q, long long h,    \
-        long long pn, int has_init, int has_seq) {                                                      \
-        ssd_state_passing<F>(S, acs, init, seq, S_in, final_state, b, L, t0, len, c, Q, h, pn, has_init, \
+        SSD_SEGMENT_PARAMS, long long h, long long pn, F floor, int has_init, int has_seq) {            \
+        ssd_state_passing<F>(S, acs, init, seq, S_in, final_state, SSD_SEGMENT, h, pn, floor, has_init,  \
                              has_seq);                                                                  \
     }                                                                                                   \
     extern "C" __global__ void ssd_combine_##SUFFIX(                                                    \
-        const F* Y_diag, const F* Y_off, const F* acs, const long long* seq, F* y, long long b,          \
-        long long L, long long t0, long long len, long long c, long long Q, long long h, long long p,     \
-        long long g, int has_seq) {                                                                     \
-        ssd_combine<F>(Y_diag, Y_off, acs, seq, y, b, L, t0, len, c, Q, h, p, g, has_seq);              \
+        const F* Y_diag, const F* Y_off, const F* acs, const F* x, const F* dt, const long long* seq,    \
+        F* y, SSD_SEGMENT_PARAMS, long long h, long long p, long long g, F floor, int has_seq) {        \
+        ssd_combine<F>(Y_diag, Y_off, acs, x, dt, seq, y, SSD_SEGMENT, h, p, g, floor, has_seq);        \
     }
 
 SSD_KERNELS(f32, float)
