@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "portable_ssm", "backends")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "portable_ssm", "backends", "market")
 
 
 @pytest.fixture(scope="module")
