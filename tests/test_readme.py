@@ -54,6 +54,8 @@ def test_every_python_block_runs_alone_in_an_empty_directory(code, tmp_path):
         imported = re.search(rf"^\s*(import|from) [^#\n]*\b{module}\b", code, re.M)
         if (imported or f'backend="{module}"' in code) and not importlib.util.find_spec(module):
             pytest.skip(f"the block uses {module}, which is not installed")
+    if "portable_ssm.market" in code and not importlib.util.find_spec("databento_dbn"):
+        pytest.skip("the block uses portable_ssm.market, whose DBN files need databento-dbn (the [market] extra)")
     result = run_python(code, tmp_path)
     assert result.returncode == 0, f"block failed:\n{code}\n--- stderr ---\n{result.stderr[-3000:]}"
 
@@ -81,7 +83,8 @@ def help_command(line: str) -> list[str] | None:
         script = next(w for w in words[1:] if w.endswith(".py"))
         return [sys.executable, str(ROOT / script), "--help"]
     if words[0] == "portable-ssm":
-        return [sys.executable, "-m", "portable_ssm", words[1], "--help"]
+        subcommand = [] if words[1].startswith("-") else [words[1]]  # `portable-ssm --version` is the tool's own flag
+        return [sys.executable, "-m", "portable_ssm", *subcommand, "--help"]
     raise AssertionError(f"README bash line of an unknown kind (add it to the test's policy): {line}")
 
 
