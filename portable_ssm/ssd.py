@@ -299,10 +299,10 @@ def pass_states(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Array,
 
     ``inject [b, c, g, n, r, p]`` (packed rows with per-sequence initial states,
     :func:`ssd_varlen_ref`) is added to the state leaving each chunk, and the second result is then
-    the stack of the states leaving every chunk, ``[b, c, g, n, r, p]`` (the reference runs it)."""
-    native = fast_op(xp, "pass_states") if inject is None else None
+    the stack of the states leaving every chunk, ``[b, c, g, n, r, p]``."""
+    native = fast_op(xp, "pass_states")
     if native is not None:
-        return native(state, chunk_decay, Bt, X, C)
+        return native(state, chunk_decay, Bt, X, C) if inject is None else native(state, chunk_decay, Bt, X, C, inject)
     return pass_states_ref(state, chunk_decay, Bt, X, C, xp=xp, inject=inject)
 
 
