@@ -4,7 +4,8 @@
 recurrence. Both return the per-layer ``Mamba2State`` (conv and SSM states), so a sequence can
 be split anywhere: ``forward`` on the second half from the first half's state equals the whole.
 With ``seq_idx`` one row holds several sequences back to back (see ``collate(mode="pack")``), each
-computed as if alone.
+computed as if alone; with ``cu_seqlens`` (a batch-1 row, :mod:`portable_ssm.varlen`) each of them
+also has its own state in and out.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Packed sequences (``seq_idx [b, l]``, mamba_ssm's argument): integer ids, non-de
 as mamba_ssm asks; a new sequence starts wherever the id changes, so only neighbours are compared
 and the ids' values do not matter. Entry points turn them into run ids once (:func:`sequence_runs`);
 the inner functions only ask that equal ids mean one contiguous sequence. Incoming states belong
-to each row's first sequence, returned states to its last one.
+to each row's first sequence, returned states to its last one. ``cu_seqlens`` packs a batch-1 row
+with one incoming and one returned state per sequence instead (:mod:`portable_ssm.varlen`).
 """
 
 from __future__ import annotations

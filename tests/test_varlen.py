@@ -277,3 +277,23 @@ def test_return_varlen_states_needs_cu_seqlens():
 def test_cu_seqlens_beside_attention_mask_is_a_value_error(entry):
     with pytest.raises(ValueError, match=r"attention_mask: not supported together with cu_seqlens"):
         call_with(entry, np.array([0, 2, 6]), attention_mask=np.ones((1, 6), dtype=bool))
+
+
+def test_gradients_through_the_packed_scan_equal_each_sequence_alone():
+    torch = pytest.importorskip("torch")
+    lengths = [3, 6, 2]
+    host = {k: torch.tensor(v, requires_grad=k in ("x", "initial_states"))
+            for k, v in scan_inputs(9, lengths).items()}
+    kw = dict(chunk_size=4, dt_softplus=True)
+    y, finals = ps.ssd_scan(**host, **kw, cu_seqlens=torch.tensor(cumulative(lengths)), return_varlen_states=True)
+    packed = torch.autograd.grad((y * y).sum() + (finals * finals).sum(), (host["x"], host["initial_states"]))
+    cu, loss = cumulative(lengths), 0
+    for i in range(len(lengths)):
+        sl = slice(int(cu[i]), int(cu[i + 1]))
+        part = {k: v[:, sl] if k in PER_STEP else v for k, v in host.items()}
+        y_i, s_i = ps.ssd_scan(**dict(part, initial_states=host["initial_states"][i:i + 1]), **kw,
+                               return_final_states=True)
+        loss = loss + (y_i * y_i).sum() + (s_i * s_i).sum()
+    alone = torch.autograd.grad(loss, (host["x"], host["initial_states"]))
+    for got, want in zip(packed, alone, strict=True):
+        assert torch.abs(got - want).max() <= 1e-10 * torch.abs(want).max()
