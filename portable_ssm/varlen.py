@@ -21,7 +21,7 @@ from ._checks import Shapes, check_same_device
 
 
 class Varlen(NamedTuple):
-    """Packed-row bookkeeping from ``cu_seqlens`` (all int arrays on x's device)."""
+    """Packed-row bookkeeping from ``cu_seqlens`` (int32 arrays on x's device)."""
 
     seq: Array  # sequence index of every step, [l]
     first: Array  # each sequence's first step, [n_seq]
@@ -71,10 +71,10 @@ def check_cu_seqlens(cu_seqlens: Array, seq_idx: Any, shapes: Shapes, ref_name: 
 
 def varlen_of(cu_seqlens: Array, l: int, *, xp: Namespace) -> Varlen:
     """The :class:`Varlen` of checked ``cu_seqlens`` over ``l`` steps."""
-    cu = xp.astype(cu_seqlens, xp.int64, copy=False)
-    steps = xp.arange(l, dtype=xp.int64, device=device(cu))
+    cu = xp.astype(cu_seqlens, xp.int32, copy=False)  # int32: no int64 needed, none asked of JAX without x64
+    steps = xp.arange(l, dtype=xp.int32, device=device(cu))
     seq = xp.searchsorted(cu[1:], steps, side="right")  # sequences ended at or before t, [l]
-    return Varlen(seq=xp.astype(seq, xp.int64, copy=False), first=cu[:-1], last=cu[1:] - 1)
+    return Varlen(seq=xp.astype(seq, xp.int32, copy=False), first=cu[:-1], last=cu[1:] - 1)
 
 
 def windows(v: Array, at: Array, size: int, *, xp: Namespace) -> tuple[Array, Array]:
