@@ -46,21 +46,29 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def pass_states(state: Any, chunk_decay: Any, Bt: Any, X: Any, C: Any) -> tuple[Any, Any]:
+def pass_states(state: Any, chunk_decay: Any, Bt: Any, X: Any, C: Any, inject: Any = None) -> tuple[Any, Any]:
     """``jax.lax.scan`` version of ``portable_ssm.ssd.pass_states_ref``: per chunk, the entering
-    state read by C, then ``S_in[c+1] = chunk_decay[c] · S_in[c] + B_cᵀ X_c``; traced once instead of
+    state read by C, then ``S_in[c+1] = chunk_decay[c] · S_in[c] + B_cᵀ X_c`` (``+ inject[c]``, and
+    then the stack of those states comes back instead of the last); traced once instead of
     unrolled per chunk."""
     b, g, n, r, p = state.shape
 
-    def body(carry: Any, chunk: tuple[Any, Any, Any, Any]) -> tuple[Any, Any]:
-        decay_c, Bt_c, X_c, C_c = chunk
+    def body(carry: Any, chunk: tuple[Any, ...]) -> tuple[Any, Any]:
+        decay_c, Bt_c, X_c, C_c, *inject_c = chunk
         out = jnp.matmul(C_c, jnp.reshape(carry, (b, g, n, r * p)))  # [b, g, Q, r·p]
         added = jnp.reshape(jnp.matmul(Bt_c, X_c), carry.shape)  # [b, g, n, r·p] -> [b, g, n, r, p]
-        return decay_c * carry + added, out
+        leaving = decay_c * carry + added
+        if not inject_c:
+            return leaving, out
+        leaving = leaving + inject_c[0]
+        return leaving, (out, leaving)
 
-    chunks = tuple(jnp.moveaxis(v, 1, 0) for v in (chunk_decay, Bt, X, C))  # [b, c, ...] -> [c, b, ...]
-    final, outputs = jax.lax.scan(body, state, chunks)
-    return jnp.moveaxis(outputs, 0, 1), final  # [c, b, g, Q, r·p] -> [b, c, g, Q, r·p]
+    inputs = (chunk_decay, Bt, X, C) if inject is None else (chunk_decay, Bt, X, C, inject)
+    chunks = tuple(jnp.moveaxis(v, 1, 0) for v in inputs)  # [b, c, ...] -> [c, b, ...]
+    final, stacked = jax.lax.scan(body, state, chunks)
+    if inject is None:
+        return jnp.moveaxis(stacked, 0, 1), final  # [c, b, g, Q, r·p] -> [b, c, g, Q, r·p]
+    return tuple(jnp.moveaxis(v, 0, 1) for v in stacked)  # outputs, states leaving each chunk [b, c, ...]
 
 
 # Quantized weights pass through jax.jit and the other transforms as their arrays (data, scale),

@@ -69,7 +69,7 @@ def embed(ids: Array, params: Params, *, xp: Namespace) -> Array:
 def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
            initial_state: Mamba2State | None = None, return_state: bool = False,
            seq_idx: Array | None = None, layer: Callable[..., Any] | None = None,
-           attention_mask: Array | None = None) -> Array | tuple[Array, Mamba2State]:
+           attention_mask: Array | None = None, cu_seqlens: Array | None = None) -> Array | tuple[Array, Mamba2State]:
     """Next-token logits ``[b, l, padded_vocab]`` for ``input_ids [b, l]`` (integers).
 
     With ``initial_state`` the ids continue an earlier sequence; ``return_state`` also returns the
@@ -79,15 +79,18 @@ def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
     ``layer`` stands in for each layer's mixer, as in :func:`portable_ssm.forward`.
     ``attention_mask [b, l]`` (1/True tokens, 0/False left padding): each row gives what it gives
     alone without its padding, as in :func:`portable_ssm.forward`.
+    ``cu_seqlens [n_seq + 1]`` packs n_seq sequences into a batch-1 row with one state each, in
+    (initial_state of batch n_seq) and out, as in :func:`portable_ssm.forward`.
     """
     xp = _check_lm(params, config)
     check_backends("input_ids", input_ids, params, initial_state, "initial_state")
     shapes = _check_ids(input_ids, config, ("b", "l"), xp=xp)
-    run = _sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp, layer=layer)
-    run = padded_layer(run, attention_mask, seq_idx, shapes, "input_ids", input_ids, xp=xp)
+    run = _sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp, layer=layer, cu_seqlens=cu_seqlens)
+    run = padded_layer(run, attention_mask, seq_idx, shapes, "input_ids", input_ids, xp=xp, cu_seqlens=cu_seqlens)
     x = embed(input_ids, params, xp=xp)  # [b, l, d_model]
     if initial_state is not None:
-        _check_state(initial_state, config, x, shapes, "initial_state", xp=xp)
+        _check_state(initial_state, config, x, shapes, "initial_state", xp=xp,
+                     batch="b" if cu_seqlens is None else "s")
     hidden, state = run_sequence(x, params, config, initial_state, run, xp=xp)
     out = _linear(hidden, head_weight(params, config), None, xp=xp)  # [b, l, vocab]
     return (out, state) if return_state else out

@@ -23,6 +23,7 @@ from .quantized import QuantizedWeight, quantized_matmul
 from .recurrence import recurrence_step
 from .ssd import ssd_chunked
 from .ssm_inputs import heads_from_groups, skip_and_gate
+from .varlen import Varlen
 
 
 def _linear(v: Array, weight: Array | QuantizedWeight, bias: Array | None, *, xp: Namespace) -> Array:
@@ -107,17 +108,21 @@ def _fused_decode(c: Mamba2Config, *, xp: Namespace) -> Any:
 
 def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | None,
           ssm_state: Array | None, *, xp: Namespace,
-          seq_idx: Array | None = None, pad: Array | None = None) -> tuple[Array, Array, Array]:
+          seq_idx: Array | None = None, pad: Array | None = None,
+          varlen: Varlen | None = None) -> tuple[Array, Array, Array]:
     """One Mamba-2 layer over a sequence: ``u [b, l, d_model]`` with layer params ``p`` (names
     relative to ``mixer.``). Returns ``(out [b, l, d_model], conv_state [b, conv_dim, k],
     ssm_state [b, h, p, n])``. ``seq_idx [b, l]``: run ids of packed sequences (the incoming
     states feed each row's first sequence, the returned ones are its last sequence's), or None.
-    ``pad [b]``: each row's left-padding length (:mod:`portable_ssm.padding`), or None."""
+    ``pad [b]``: each row's left-padding length (:mod:`portable_ssm.padding`), or None.
+    ``varlen``: one packed row by cu_seqlens (:mod:`portable_ssm.varlen`), the states then
+    ``[n_seq, ...]`` in and out, one per sequence; or None."""
     b, l, _ = u.shape
     mlp, z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
     if pad is None:
-        xBC, conv_state = causal_conv1d_silu(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp, seq_idx=seq_idx)
+        xBC, conv_state = causal_conv1d_silu(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp, seq_idx=seq_idx,
+                                              varlen=varlen)
     else:
         xBC, conv_state = padded_conv(causal_conv1d_silu, xBC, conv_w, p.get("conv1d.bias"), conv_state, pad, xp=xp)
     x, B, C = _split_xbc(xBC, c, xp=xp)
@@ -129,7 +134,7 @@ def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | No
         step = unpadded_delta(step, pad, xp=xp)
     x, B, C = (xp.astype(v, cdtype, copy=False) for v in (x, B, C))
     y, ssm_state = ssd_chunked(x, xp.astype(step, cdtype, copy=False), A, B, C, chunk_size=None,
-                               initial_states=ssm_state, seq_idx=seq_idx, D=D, xp=xp)
+                               initial_states=ssm_state, seq_idx=seq_idx, D=D, xp=xp, varlen=varlen)
     y = xp.reshape(y, (b, l, c.ssm_dim))  # [b, l, h, p] -> [b, l, ssm_dim]
     return _output(y, z, mlp, p, c, xp=xp), conv_state, ssm_state
 

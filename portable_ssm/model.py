@@ -4,7 +4,8 @@
 recurrence. Both return the per-layer ``Mamba2State`` (conv and SSM states), so a sequence can
 be split anywhere: ``forward`` on the second half from the first half's state equals the whole.
 With ``seq_idx`` one row holds several sequences back to back (see ``collate(mode="pack")``), each
-computed as if alone.
+computed as if alone; with ``cu_seqlens`` (a batch-1 row, :mod:`portable_ssm.varlen`) each of them
+also has its own state in and out.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .padding import padded_layer
 from .params import Params, check_params, init_params
 from .ssm_inputs import check_seq_idx, sequence_runs
 from .state_pool import check_state_batch_indices, gather_state, scatter_state
+from .varlen import check_cu_seqlens
 
 
 class Mamba2State(NamedTuple):
@@ -61,13 +63,15 @@ def check_backends(x_name: str, x: Array, params: Params, state: Any = None, sta
 
 
 def _check_state(state: Any, config: Mamba2Config, x: Array, shapes: Shapes, name: str, *,
-                 xp: Namespace) -> None:
+                 xp: Namespace, batch: str = "b") -> None:
+    """Checks a :class:`Mamba2State` against x: layers, shapes (``batch`` rows: "b", or "s" for one
+    state per packed sequence), dtypes, devices and backend."""
     if not isinstance(state, Mamba2State):
         raise TypeError(f"{name}: expected a Mamba2State (from forward(..., return_state=True) or "
                         f"empty_state), got {type(state).__name__}")
     c = config
-    for kind, arrays, spec in (("conv", state.conv, ("b", c.conv_dim, c.d_conv)),
-                               ("ssm", state.ssm, ("b", c.nheads, c.headdim, c.d_state))):
+    for kind, arrays, spec in (("conv", state.conv, (batch, c.conv_dim, c.d_conv)),
+                               ("ssm", state.ssm, (batch, c.nheads, c.headdim, c.d_state))):
         if len(arrays) != c.n_layer:
             raise ValueError(f"{name}.{kind}: expected {c.n_layer} layers (config.n_layer), "
                              f"got {len(arrays)}")
@@ -100,16 +104,18 @@ def _cached(key: tuple, keep: Any, build: Any) -> Params:
 
 
 def _resolve(x: Array, params: Params | None, config: Mamba2Config | None, backend: str | None,
-             device_: Any, seq_idx: Array | None) -> tuple[Array, Params, Mamba2Config, Array | None]:
-    """Moves x (and seq_idx) to ``backend``/``device_`` and builds (``params=None``) or converts
-    params to match."""
+             device_: Any, **indices: Array | None) -> tuple[Array, Params, Mamba2Config, dict[str, Array | None]]:
+    """Moves x (and the integer ``indices``: seq_idx, cu_seqlens) to ``backend``/``device_`` and
+    builds (``params=None``) or converts params to match."""
     if backend is not None or device_ is not None:
         x = to_backend(x, backend or array_backend(x), device=device_)
     namespace(x=x)
     target, dev, dt = array_backend(x), device(x), dtype_name(x.dtype)
-    if seq_idx is not None and (backend is not None or device_ is not None):
-        namespace(seq_idx=seq_idx)
-        seq_idx = to_backend(seq_idx, target, device=dev)
+    if backend is not None or device_ is not None:
+        for name, value in indices.items():
+            if value is not None:
+                namespace(**{name: value})
+                indices[name] = to_backend(value, target, device=dev)
     if params is None:
         if config is None:
             if getattr(x, "ndim", 0) != 3:
@@ -117,7 +123,7 @@ def _resolve(x: Array, params: Params | None, config: Mamba2Config | None, backe
             config = default_config(x.shape[-1])
         params = _cached(("init", config, target, str(dev), dt), None,
                          lambda: init_params(config, seed=0, backend=target, dtype=dt, device=dev))
-        return x, params, config, seq_idx
+        return x, params, config, indices
     if not isinstance(config, Mamba2Config):
         raise TypeError(f"config: expected the Mamba2Config the params were built for, got "
                         f"{type(config).__name__}")
@@ -125,7 +131,7 @@ def _resolve(x: Array, params: Params | None, config: Mamba2Config | None, backe
         key = ("convert", tuple(id(v) for v in params.values()), target, str(dev))
         params = _cached(key, params, lambda: {k: to_backend(v, target, device=dev)
                                                for k, v in params.items()})
-    return x, params, config, seq_idx
+    return x, params, config, indices
 
 
 def _check_x(x: Array, params: Params, config: Mamba2Config, spec: tuple[str, ...], *,
@@ -142,14 +148,17 @@ def _check_x(x: Array, params: Params, config: Mamba2Config, spec: tuple[str, ..
 
 
 def _sequence_mixer(seq_idx: Array | None, shapes: Shapes, ref_name: str, ref: Array, *, xp: Namespace,
-                    layer: Callable[..., Any] | None = None) -> Any:
+                    layer: Callable[..., Any] | None = None, cu_seqlens: Array | None = None) -> Any:
     """The layer function for :func:`_blocks`: ``layer`` (None for ``mixer``, or a callable with
-    its signature), given the run ids of ``seq_idx [b, l]`` once it is checked against ``ref``."""
+    its signature), given the run ids of ``seq_idx [b, l]`` once it is checked against ``ref``, or
+    the :class:`~portable_ssm.varlen.Varlen` of ``cu_seqlens`` (binding ``s``, n_seq, in ``shapes``)."""
     if layer is None:
         layer = mixer
     elif not callable(layer):
         raise TypeError(f"layer: expected None or a callable with portable_ssm.mixer.mixer's signature, "
                         f"got {type(layer).__name__}")
+    if cu_seqlens is not None:
+        return partial(layer, varlen=check_cu_seqlens(cu_seqlens, seq_idx, shapes, ref_name, ref, xp=xp))
     if seq_idx is None:
         return layer
     check_seq_idx(seq_idx, shapes, ref_name, ref, xp=xp)
@@ -215,8 +224,8 @@ def run_sequence(x: Array, params: Params, config: Mamba2Config, state: Mamba2St
 def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | None = None,
             backend: str | None = None, device: Any = None, initial_state: Mamba2State | None = None,
             return_state: bool = False, seq_idx: Array | None = None,
-            layer: Callable[..., Any] | None = None,
-            attention_mask: Array | None = None) -> Array | tuple[Array, Mamba2State]:
+            layer: Callable[..., Any] | None = None, attention_mask: Array | None = None,
+            cu_seqlens: Array | None = None) -> Array | tuple[Array, Mamba2State]:
     """The Mamba-2 backbone over a sequence: ``x [b, l, d_model] -> [b, l, d_model]``.
 
     Equal to transformers' ``Mamba2Model(inputs_embeds=x).last_hidden_state`` for the same weights.
@@ -244,19 +253,26 @@ def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | No
             0/False for padding, transformers' semantics): each row gives, at its tokens and in its
             state, what it gives alone without its padding (:mod:`portable_ssm.padding`; a mask
             with holes or right padding is a ValueError; not with seq_idx).
+        cu_seqlens: optional ``[n_seq + 1]`` integer cumulative lengths of the sequences packed in
+            a batch-1 x (0 first, l last, strictly increasing; vLLM's and mamba_ssm's varlen layout,
+            :mod:`portable_ssm.varlen`): each sequence gives what it gives alone, initial_state
+            then holds one state per sequence (batch n_seq) and the returned state does too, ready
+            for :func:`step` on a batch of n_seq tokens. Not with seq_idx or attention_mask.
 
     Returns:
         ``y [b, l, d_model]`` in x's dtype, or ``(y, state)``.
     """
     check_bool("return_state", return_state)
-    x, params, config, seq_idx = _resolve(x, params, config, backend, device, seq_idx)
+    x, params, config, indices = _resolve(x, params, config, backend, device, seq_idx=seq_idx, cu_seqlens=cu_seqlens)
+    seq_idx, cu_seqlens = indices["seq_idx"], indices["cu_seqlens"]
     xp = check_params(params, config)
     check_backends("x", x, params, initial_state, "initial_state")
     shapes = _check_x(x, params, config, ("b", "l", "d_model"), xp=xp)
-    run = _sequence_mixer(seq_idx, shapes, "x", x, xp=xp, layer=layer)
-    run = padded_layer(run, attention_mask, seq_idx, shapes, "x", x, xp=xp)
+    run = _sequence_mixer(seq_idx, shapes, "x", x, xp=xp, layer=layer, cu_seqlens=cu_seqlens)
+    run = padded_layer(run, attention_mask, seq_idx, shapes, "x", x, xp=xp, cu_seqlens=cu_seqlens)
     if initial_state is not None:
-        _check_state(initial_state, config, x, shapes, "initial_state", xp=xp)
+        _check_state(initial_state, config, x, shapes, "initial_state", xp=xp,
+                     batch="b" if cu_seqlens is None else "s")
     y, state = run_sequence(x, params, config, initial_state, run, xp=xp)
     return (y, state) if return_state else y
 

@@ -46,13 +46,14 @@ def check_attention_mask(mask: Array, shapes: Shapes, ref_name: str, ref: Array,
 
 
 def padded_layer(layer: Callable[..., Any], mask: Array | None, seq_idx: Array | None, shapes: Shapes,
-                 ref_name: str, ref: Array, *, xp: Namespace) -> Callable[..., Any]:
+                 ref_name: str, ref: Array, *, xp: Namespace, cu_seqlens: Array | None = None) -> Callable[..., Any]:
     """``layer`` given the checked padding lengths as ``pad=`` (``layer`` itself without a mask or
     when nothing is masked)."""
     if mask is None:
         return layer
-    if seq_idx is not None:
-        raise ValueError("attention_mask: not supported together with seq_idx (packed rows); pass one of them")
+    for name, packed in (("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
+        if packed is not None:
+            raise ValueError(f"attention_mask: not supported together with {name} (packed rows); pass one of them")
     pad = check_attention_mask(mask, shapes, ref_name, ref, xp=xp)
     return layer if pad is None else partial(layer, pad=pad)
 

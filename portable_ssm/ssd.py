@@ -41,9 +41,10 @@ import math
 from typing import Any, NamedTuple
 
 from ._array import Array, Namespace, constant, device
-from ._checks import check_int
+from ._checks import check_bool, check_int
 from .backends import fast_op
-from .ssm_inputs import check_chunk_size, check_scan_inputs, skip_and_gate
+from .ssm_inputs import check_chunk_size, check_scan_inputs, skip_and_gate, within
+from .varlen import Varlen, windows
 
 #: Longest chunk chosen automatically; shorter sequences use one chunk of their own length.
 MAX_AUTO_CHUNK = 64
@@ -74,7 +75,8 @@ def ssd_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: i
              D: Array | None = None, z: Array | None = None, dt_bias: Array | None = None,
              dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, math.inf),
              initial_states: Array | None = None, return_final_states: bool = False,
-             seq_idx: Array | None = None) -> Array | tuple[Array, Array]:
+             seq_idx: Array | None = None, cu_seqlens: Array | None = None,
+             return_varlen_states: bool = False) -> Array | tuple[Array, ...]:
     """The chunked SSD scan, argument for argument like mamba_ssm's ``mamba_chunk_scan_combined``.
 
     Args:
@@ -93,30 +95,49 @@ def ssd_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: i
         seq_idx: optional ``[b, l]`` integer sequence ids, non-decreasing along l (mamba_ssm's
             packed rows): the state resets wherever the id changes, so each sequence of a row
             gives what it gives alone.
+        cu_seqlens: optional ``[n_seq + 1]`` integer cumulative lengths of the sequences packed in a
+            batch-1 row (mamba_ssm's and vLLM's varlen layout, :mod:`portable_ssm.varlen`): 0 first,
+            l last, strictly increasing; not with ``seq_idx``. Then ``initial_states`` is
+            ``[n_seq, h, p, n]``, one state per sequence, and the final states are per sequence too.
+        return_varlen_states: also return the ``[n_seq, h, p, n]`` state after each sequence's
+            last step (needs cu_seqlens).
 
     Returns:
-        ``y [b, l, h, p]`` in x's dtype, or ``(y, final_states)``.
+        ``y [b, l, h, p]`` in x's dtype, then ``final_states`` if return_final_states (with
+        cu_seqlens: the last sequence's, ``[1, h, p, n]``), then ``varlen_states`` if
+        return_varlen_states (mamba_ssm's order); y alone when neither is asked for.
     """
     check_chunk_size(chunk_size, return_final_states)
+    check_bool("return_varlen_states", return_varlen_states)
+    if return_varlen_states and cu_seqlens is None:
+        raise ValueError("return_varlen_states: needs cu_seqlens (the per-sequence states of a packed row)")
     s = check_scan_inputs(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                           dt_limit=dt_limit, states=initial_states, states_name="initial_states",
-                          step=False, seq_idx=seq_idx)
+                          step=False, seq_idx=seq_idx, cu_seqlens=cu_seqlens)
     xp = s.xp
     y, final = ssd_chunked(s.x, s.dt, s.A, s.B, s.C, chunk_size=chunk_size, initial_states=s.states,
-                           seq_idx=s.seq_idx, D=s.D, xp=xp)
+                           seq_idx=s.seq_idx, D=s.D, xp=xp, varlen=s.varlen)
     y = xp.astype(skip_and_gate(y, s.x, None, s.z, xp=xp), s.out_dtype, copy=False)
-    return (y, final) if return_final_states else y
+    if s.varlen is None:
+        return (y, final) if return_final_states else y
+    out = (y, *((final[-1:, ...],) if return_final_states else ()), *((final,) if return_varlen_states else ()))
+    return out if len(out) > 1 else y
 
 
 def ssd_chunked(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: int | None,
                 initial_states: Array | None, xp: Namespace, seq_idx: Array | None = None,
-                D: Array | None = None) -> tuple[Array, Array]:
+                D: Array | None = None, varlen: Varlen | None = None) -> tuple[Array, Array]:
     """The scan on validated compute-dtype inputs (``dt`` is Δ), with the skip ``y + D·x`` when
     ``D`` (``[h]`` or ``[h, p]``) is given but no gate: ``(y, final_states)``.
 
     ``seq_idx [b, l]``: ids where equal means one contiguous sequence (run ids), or None.
     A backend may provide a native version (``fast_op(xp, "ssd_chunked")``, e.g. the CuPy kernels
-    or NumPy's in-cache chunk loop); :func:`ssd_chunked_ref` is the reference both are tested against."""
+    or NumPy's in-cache chunk loop); :func:`ssd_chunked_ref` is the reference both are tested against.
+    With ``varlen`` (one packed row, :mod:`portable_ssm.varlen`) :func:`ssd_varlen_ref` runs instead:
+    ``initial_states`` and the returned states are ``[n_seq, h, p, n]``, one per sequence."""
+    if varlen is not None:
+        return ssd_varlen_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
+                              varlen=varlen, xp=xp, D=D)
     native = fast_op(xp, "ssd_chunked")
     if native is not None:
         return native(x, dt, A, B, C, chunk_size, initial_states, seq_idx=seq_idx, D=D)
@@ -134,8 +155,8 @@ def ssd_chunked_ref(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_
     Q = chunk_length(l, chunk_size)
     if initial_states is None:
         state = xp.zeros((b, g, n, r, p), dtype=x.dtype, device=device(x))
-    else:  # the scan keeps states n-major so that every matmul reads row-major operands
-        state = xp.permute_dims(xp.reshape(initial_states, (b, g, r, p, n)), (0, 1, 4, 2, 3))  # [b, g, n, r, p]
+    else:
+        state = _n_major(initial_states, g, xp=xp)  # [b, g, n, r, p]
     step = max(Q, (SEGMENT_TOKENS // Q) * Q)
     outputs = []
     for start in range(0, l, step):
@@ -145,17 +166,127 @@ def ssd_chunked_ref(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_
         y, state = _segment(x[:, start:stop, ...], dt[:, start:stop, ...], A, B[:, start:stop, ...],
                             C[:, start:stop, ...], Q, state, seq=seq, xp=xp)
         outputs.append(y)
-    # [b, g, n, r, p] -> [b, h, p, n], laid out row-major: a strided view would make every later step's
-    # elementwise update walk n with a stride of r·p floats (4x slower decode on NumPy)
-    final = _row_major(xp.reshape(xp.permute_dims(state, (0, 1, 3, 4, 2)), (b, h, p, n)), xp=xp)
+    final = _h_major(state, xp=xp)
     if not outputs:  # l == 0: nothing to scan, the state passes through
         return xp.zeros((b, 0, h, p), dtype=x.dtype, device=device(x)), final
     y = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=1)  # [b, l, h, p]
     return skip_and_gate(y, x, D, None, xp=xp), final
 
 
+def _n_major(states: Array, g: int, *, xp: Namespace) -> Array:
+    """``[b, h, p, n] -> [b, g, n, r, p]``: the scan keeps states n-major so that every matmul reads
+    row-major operands."""
+    b, h, p, n = states.shape
+    return xp.permute_dims(xp.reshape(states, (b, g, h // g, p, n)), (0, 1, 4, 2, 3))  # [b, g, n, r, p]
+
+
+def _h_major(state: Array, *, xp: Namespace) -> Array:
+    """``[b, g, n, r, p] -> [b, h, p, n]``, laid out row-major: a strided view would make every later
+    step's elementwise update walk n with a stride of r·p floats (4x slower decode on NumPy)."""
+    b, g, n, r, p = state.shape
+    return _row_major(xp.reshape(xp.permute_dims(state, (0, 1, 3, 4, 2)), (b, g * r, p, n)), xp=xp)
+
+
+def ssd_varlen_ref(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: int | None,
+                   initial_states: Array | None, varlen: Varlen, xp: Namespace,
+                   D: Array | None = None) -> tuple[Array, Array]:
+    """The scan of one packed row ``x [1, l, h, p]`` (:func:`ssd_chunked`'s other arguments) whose
+    sequences each start from their own state, ``initial_states [n_seq, h, p, n]`` (None: zeros):
+    ``(y [1, l, h, p], the state after each sequence [n_seq, h, p, n])``.
+
+    The packed-row masks of :func:`ssd_chunked_ref` run with no state entering the row; a sequence's
+    initial state reaches the outputs of its first chunk through one gathered chunk per sequence
+    (:func:`_initial_outputs`) and later chunks through the state leaving the first one (the
+    ``inject`` of :func:`pass_states`). Final states are read from the chunk holding each
+    sequence's last step (:func:`_final_states`)."""
+    _, l, h, p = x.shape
+    g, n = B.shape[-2:]
+    r = h // g
+    Q = chunk_length(l, chunk_size)
+    if initial_states is None:
+        inits = xp.zeros((varlen.n_seq, g, n, r, p), dtype=x.dtype, device=device(x))
+    else:
+        inits = _n_major(initial_states, g, xp=xp)  # [n_seq, g, n, r, p]
+    seq_idx = varlen.seq[None, :]  # [1, l]
+    state = xp.zeros((1, g, n, r, p), dtype=x.dtype, device=device(x))
+    no_sequence = xp.full((1,), -1, dtype=seq_idx.dtype, device=device(x))  # nothing enters the row
+    outputs, leaving = [], []
+    step = max(Q, (SEGMENT_TOKENS // Q) * Q)
+    for start in range(0, l, step):
+        stop = min(start + step, l)
+        before = no_sequence if start == 0 else seq_idx[:, start - 1]
+        y, kept = _segment(x[:, start:stop, ...], dt[:, start:stop, ...], A, B[:, start:stop, ...],
+                           C[:, start:stop, ...], Q, state, seq=(seq_idx[:, start:stop], before), inits=inits, xp=xp)
+        state = kept[:, -1, ...]
+        outputs.append(y)
+        leaving.append(kept)
+    y = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=1)  # [1, l, h, p]
+    a = dt[0, ...] * A  # A·Δ, [l, h]
+    y = y + _initial_outputs(C[0, ...], a, inits, varlen, Q, xp=xp)[None, ...]
+    chunks = leaving[0] if len(leaving) == 1 else xp.concat(leaving, axis=1)  # [1, c, g, n, r, p]
+    final = _final_states(x[0, ...] * dt[0, ...][..., None], B[0, ...], a, inits, chunks[0, ...], varlen, Q, xp=xp)
+    return skip_and_gate(y, x, D, None, xp=xp), _h_major(final, xp=xp)
+
+
+def _own_window(v: Array, varlen: Varlen, at: Array, Q: int, *, xp: Namespace) -> tuple[Array, Array, Array]:
+    """The chunk of ``Q`` steps from ``at [n_seq]`` for each sequence: ``(v there [n_seq, Q, ...],
+    the steps [n_seq, Q], True where a step belongs to that sequence [n_seq, Q])``."""
+    taken, steps = windows(v, at, Q, xp=xp)
+    seq, _ = windows(varlen.seq, at, Q, xp=xp)  # [n_seq, Q]
+    ids = xp.arange(varlen.n_seq, dtype=seq.dtype, device=device(seq))
+    own = (seq == ids[:, None]) & (steps < v.shape[0])  # steps past l read step l-1: not its own
+    return taken, steps, own
+
+
+def _initial_outputs(C: Array, a: Array, inits: Array, varlen: Varlen, Q: int, *, xp: Namespace) -> Array:
+    """What each sequence's initial state ``inits [n_seq, g, n, r, p]`` adds to the outputs of its
+    first chunk, ``exp(a[first..t]) · C_t S_0`` for ``C [l, g, n]``, ``a = A·Δ [l, h]``: ``[l, h, p]``
+    (0 past the first chunk, where the state leaving it carries the initial state on)."""
+    l, h = a.shape
+    s, g, n, r, p = inits.shape
+    chunk_start = (varlen.first // Q) * Q  # [n_seq]
+    Cw, steps, own = _own_window(C, varlen, chunk_start, Q, xp=xp)  # [n_seq, Q, g, n]
+    aw, _ = windows(a, chunk_start, Q, xp=xp)  # [n_seq, Q, h]
+    own = (own & (steps >= varlen.first[:, None]))[..., None]  # [n_seq, Q, 1]
+    grown = decay(xp.cumulative_sum(within(aw, own, xp=xp), axis=1), keep=own, xp=xp)  # a[first..t], [n_seq, Q, h]
+    read = _matmul(xp.permute_dims(Cw, (0, 2, 1, 3)), xp.reshape(inits, (s, g, n, r * p)), xp=xp)  # [n_seq, g, Q, r·p]
+    read = xp.reshape(xp.permute_dims(read, (0, 2, 1, 3)), (s * Q, h, p))  # [n_seq·Q, h, p]
+    read = read * xp.reshape(grown, (s * Q, h))[..., None]
+    offset = xp.arange(l, dtype=varlen.seq.dtype, device=device(a)) - xp.take(chunk_start, varlen.seq)  # [l]
+    taken = xp.take(read, varlen.seq * Q + xp.clip(offset, 0, Q - 1), axis=0)  # [l, h, p]
+    return within(taken, (offset < Q)[:, None, None], xp=xp)
+
+
+def _final_states(X: Array, B: Array, a: Array, inits: Array, chunks: Array, varlen: Varlen, Q: int, *,
+                  xp: Namespace) -> Array:
+    """The state after each sequence's last step, ``[n_seq, g, n, r, p]``, from the chunk holding it:
+    ``exp(a[chunk start..last]) · S_0 + Σ_j exp(a[j+1..last]) · outer(B_j, X_j)`` over the sequence's
+    steps j there, where ``S_0`` is the state leaving the chunk before (``chunks [c, g, n, r, p]``)
+    when the sequence began earlier, else its initial state (``inits``). ``X = x·Δ [l, h, p]``,
+    ``B [l, g, n]``, ``a = A·Δ [l, h]``."""
+    l, h = a.shape
+    s, g, n, r, p = inits.shape
+    chunk = varlen.last // Q  # [n_seq]
+    Xw, steps, own = _own_window(X, varlen, chunk * Q, Q, xp=xp)  # [n_seq, Q, h, p]
+    Bw, _ = windows(B, chunk * Q, Q, xp=xp)  # [n_seq, Q, g, n]
+    aw, _ = windows(a, chunk * Q, Q, xp=xp)  # [n_seq, Q, h]
+    own = (own & (steps <= varlen.last[:, None]))[..., None]  # [n_seq, Q, 1]
+    kept = within(aw, own, xp=xp)
+    after = xp.flip(xp.cumulative_sum(xp.flip(kept, axis=1), axis=1), axis=1)  # a[j..last], [n_seq, Q, h]
+    to_last = xp.concat([after[:, 1:, :], xp.zeros_like(after[:, :1, :])], axis=1)  # a[j+1..last]
+    Xd = Xw * decay(to_last, keep=own, xp=xp)[..., None]  # [n_seq, Q, h, p]
+    Xd = xp.permute_dims(xp.reshape(Xd, (s, Q, g, r * p)), (0, 2, 1, 3))  # [n_seq, g, Q, r·p]
+    inside = xp.reshape(_matmul(xp.permute_dims(Bw, (0, 2, 3, 1)), Xd, xp=xp), (s, g, n, r, p))
+    ids = xp.arange(s, dtype=chunk.dtype, device=device(chunk))
+    entered = (xp.take(varlen.seq, xp.clip(chunk * Q - 1, 0, l - 1)) == ids) & (chunk > 0)  # [n_seq]
+    before = xp.take(chunks, xp.clip(chunk - 1, 0, chunks.shape[0] - 1), axis=0)  # [n_seq, g, n, r, p]
+    start = xp.where(xp.reshape(entered, (s, 1, 1, 1, 1)), before, inits)
+    whole = xp.reshape(decay(after[:, 0, :], xp=xp), (s, g, 1, r, 1))  # a over the chunk's own steps
+    return whole * start + inside
+
+
 def pass_states(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Array, *,
-                xp: Namespace) -> tuple[Array, Array]:
+                xp: Namespace, inject: Array | None = None) -> tuple[Array, Array]:
     """Steps 2 to 4 chunk by chunk from ``state [b, g, n, r, p]``: the entering state is read by
     the chunk's C (``C_c S_in[c]``), then the chunk's own contribution is added,
     ``S_in[c+1] = chunk_decay[c] · S_in[c] + B_cᵀ X_c``. Only one state is alive at a time, never the
@@ -164,24 +295,32 @@ def pass_states(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Array,
     ``chunk_decay [b, c, g, 1, r, 1]``, ``Bt [b, c, g, n, Q]``, ``X [b, c, g, Q, r·p]``
     (already decayed to the chunk's end), ``C [b, c, g, Q, n]``. Returns ``(C_c S_in[c]`` for every
     chunk ``[b, c, g, Q, r·p]``, the state leaving the last chunk). A backend may provide a native
-    version (``fast_op(xp, "pass_states")``: ``jax.lax.scan`` compiles once, not per chunk)."""
+    version (``fast_op(xp, "pass_states")``: ``jax.lax.scan`` compiles once, not per chunk).
+
+    ``inject [b, c, g, n, r, p]`` (packed rows with per-sequence initial states,
+    :func:`ssd_varlen_ref`) is added to the state leaving each chunk, and the second result is then
+    the stack of the states leaving every chunk, ``[b, c, g, n, r, p]``."""
     native = fast_op(xp, "pass_states")
     if native is not None:
-        return native(state, chunk_decay, Bt, X, C)
-    return pass_states_ref(state, chunk_decay, Bt, X, C, xp=xp)
+        return native(state, chunk_decay, Bt, X, C) if inject is None else native(state, chunk_decay, Bt, X, C, inject)
+    return pass_states_ref(state, chunk_decay, Bt, X, C, xp=xp, inject=inject)
 
 
 def pass_states_ref(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Array, *,
-                    xp: Namespace) -> tuple[Array, Array]:
+                    xp: Namespace, inject: Array | None = None) -> tuple[Array, Array]:
     """The Python loop over chunks (unstacked, not indexed: autograd then adds one gradient per
     chunk, not a full-size zero fill)."""
     b, g, n, r, p = state.shape
-    outputs = []
-    for decay_i, Bt_i, X_i, C_i in zip(*(xp.unstack(v, axis=1) for v in (chunk_decay, Bt, X, C))):
+    outputs, leaving = [], []
+    injected = [None] * C.shape[1] if inject is None else xp.unstack(inject, axis=1)
+    for decay_i, Bt_i, X_i, C_i, inject_i in zip(*(xp.unstack(v, axis=1) for v in (chunk_decay, Bt, X, C)), injected):
         outputs.append(_matmul(C_i, xp.reshape(state, (b, g, n, r * p)), xp=xp))  # [b, g, Q, r·p]
         added = xp.reshape(_matmul(Bt_i, X_i, xp=xp), state.shape)  # [b, g, n, r·p] -> [b, g, n, r, p]
         state = decay_i * state + added
-    return xp.stack(outputs, axis=1), state
+        if inject_i is not None:
+            state = state + inject_i
+            leaving.append(state)
+    return xp.stack(outputs, axis=1), state if inject is None else xp.stack(leaving, axis=1)
 
 
 def decay_floor(dtype: Any, *, xp: Namespace) -> float:
@@ -253,6 +392,7 @@ class _Boundaries(NamedTuple):
     in_last: Array | None = None  # t in the chunk's last sequence, [b, c, 1, Q]
     carried: Array | None = None  # the entering sequence still runs at the chunk's end, [b, c, 1]
     in_entering: Array | None = None  # t in the sequence running when the chunk began, [b, c, 1, Q]
+    last: Array | None = None  # the chunk's last sequence, [b, c]
 
 
 def _boundaries(seq: Array, before: Array, c: int, Q: int, *, xp: Namespace) -> _Boundaries:
@@ -266,13 +406,16 @@ def _boundaries(seq: Array, before: Array, c: int, Q: int, *, xp: Namespace) -> 
     return _Boundaries(same=(s[:, :, :, None] == s[:, :, None, :])[:, :, None, ...],
                        in_last=(s == last[..., None])[:, :, None, :],
                        carried=(last == entering)[..., None],
-                       in_entering=(s == entering[..., None])[:, :, None, :])
+                       in_entering=(s == entering[..., None])[:, :, None, :], last=last)
 
 
 def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: Array, *,
-             seq: tuple[Array, Array] | None, xp: Namespace) -> tuple[Array, Array]:
+             seq: tuple[Array, Array] | None, xp: Namespace, inits: Array | None = None) -> tuple[Array, Array]:
     """One segment of whole chunks, starting from ``state [b, g, n, r, p]``; ``seq`` is None or
-    ``(ids [b, l], id of the entering state [b])``."""
+    ``(ids [b, l], id of the entering state [b])``. With ``inits [n_seq, g, n, r, p]`` (ids are
+    sequence indices, :func:`ssd_varlen_ref`) the state leaving a chunk whose last sequence began in
+    it starts from that sequence's initial state, and the second result is the stack of the states
+    leaving every chunk (:func:`pass_states`)."""
     b, l, h, p = x.shape
     g, n = B.shape[-2:]
     r = h // g
@@ -307,7 +450,12 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     Xd = xp.permute_dims(xp.reshape(Xd, (b, c, Q, g, r * p)), (0, 1, 3, 2, 4))  # [b, c, g, Q, r·p]
     decay_chunk = decay(acs[..., -1], keep=m.carried, xp=xp)  # [b, c, h]
     decay_chunk = xp.reshape(decay_chunk, (b, c, g, 1, r, 1))  # [b, c, h] -> [b, c, g, 1, r, 1]
-    Y_off, state = pass_states(state, decay_chunk, Bt, Xd, Cg, xp=xp)  # [b, c, g, Q, r·p], [b, g, n, r, p]
+    inject = None
+    if inits is not None:  # the initial state of a sequence begun in the chunk, grown to its end
+        grown = decay(xp.sum(within(a, m.in_last, xp=xp), axis=-1), keep=xp.logical_not(m.carried), xp=xp)
+        started = xp.reshape(xp.take(inits, xp.reshape(m.last, (-1,)), axis=0), (b, c, g, n, r, p))
+        inject = xp.reshape(grown, (b, c, g, 1, r, 1)) * started  # [b, c, h] -> [b, c, g, 1, r, 1]
+    Y_off, state = pass_states(state, decay_chunk, Bt, Xd, Cg, xp=xp, inject=inject)  # [b, c, g, Q, r·p], state
     Y_off = xp.reshape(xp.permute_dims(Y_off, (0, 1, 3, 2, 4)), (b, c, Q, h, p))  # [b, c, Q, h, p]
     decay_out = decay(acs, keep=m.in_entering, xp=xp)  # [b, c, h, Q]
     Y_off = Y_off * xp.permute_dims(decay_out, (0, 1, 3, 2))[..., None]

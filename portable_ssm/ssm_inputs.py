@@ -16,7 +16,8 @@ Packed sequences (``seq_idx [b, l]``, mamba_ssm's argument): integer ids, non-de
 as mamba_ssm asks; a new sequence starts wherever the id changes, so only neighbours are compared
 and the ids' values do not matter. Entry points turn them into run ids once (:func:`sequence_runs`);
 the inner functions only ask that equal ids mean one contiguous sequence. Incoming states belong
-to each row's first sequence, returned states to its last one.
+to each row's first sequence, returned states to its last one. ``cu_seqlens`` packs a batch-1 row
+with one incoming and one returned state per sequence instead (:mod:`portable_ssm.varlen`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ._checks import (
     check_same_dtype,
 )
 from .discretize import delta, validate_dt
+from .varlen import Varlen, check_cu_seqlens
 
 
 @dataclass(frozen=True)
@@ -53,21 +55,23 @@ class ScanInputs:
     states: Array | None  # [b, h, p, n]
     out_dtype: Any
     seq_idx: Array | None = None  # run ids [b, l] (sequence_runs), None for one sequence per row
+    varlen: Varlen | None = None  # a packed row by cu_seqlens (states [n_seq, h, p, n]), or None
 
 
 def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: Array | None,
                       z: Array | None, dt_bias: Array | None, dt_softplus: bool, dt_limit: Any,
                       states: Array | None, states_name: str, step: bool,
-                      seq_idx: Array | None = None) -> ScanInputs:
+                      seq_idx: Array | None = None, cu_seqlens: Array | None = None) -> ScanInputs:
     """Validates the arguments of ``ssd_scan``/``selective_scan`` (or ``ssd_step`` when ``step``).
 
     Raises ValueError for shapes (naming the argument, the legend's letters and both sizes),
     TypeError for non-floating or mixed storage dtypes, a non-integer ``seq_idx`` and arrays
-    from two backends. ``seq_idx`` comes back as run ids (:func:`sequence_runs`).
+    from two backends. ``seq_idx`` comes back as run ids (:func:`sequence_runs`), ``cu_seqlens``
+    as a :class:`~portable_ssm.varlen.Varlen` (``states`` then ``[n_seq, h, p, n]``).
     """
     check_given(x=x, dt=dt, A=A, B=B, C=C)
     xp = namespace(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, **{states_name: states},
-                   seq_idx=seq_idx)
+                   seq_idx=seq_idx, cu_seqlens=cu_seqlens)
     dt_limit = check_dt_limit(dt_limit)
     check_bool("dt_softplus", dt_softplus)
     seq = () if step else ("l",)
@@ -92,9 +96,12 @@ def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: A
         check_floating("z", z, xp=xp)
         check_same_dtype("z", z, "x", x)
         shapes.check("z", z, ("b", *seq, "h", "p"))
+    varlen = None
+    if cu_seqlens is not None:
+        varlen = check_cu_seqlens(cu_seqlens, seq_idx, shapes, "x", x, xp=xp)
     if states is not None:
         check_floating(states_name, states, xp=xp)
-        shapes.check(states_name, states, ("b", "h", "p", "n"))
+        shapes.check(states_name, states, ("b" if varlen is None else "s", "h", "p", "n"))
         if states.dtype != cdtype:
             raise TypeError(f"{states_name}: expected the compute dtype {dtype_name(cdtype)} for "
                             f"x of dtype {dtype_name(x.dtype)}, got {dtype_name(states.dtype)}")
@@ -110,7 +117,8 @@ def check_scan_inputs(x: Array, dt: Array, A: Array, B: Array, C: Array, *, D: A
 
     return ScanInputs(xp=xp, x=cast(x), dt=cast(delta(dt, dt_bias, dt_softplus, dt_limit, xp=xp)),
                       A=cast(A), B=cast(B), C=cast(C), D=cast(D), z=cast(z), states=states,
-                      out_dtype=x.dtype, seq_idx=None if seq_idx is None else sequence_runs(seq_idx, xp=xp))
+                      out_dtype=x.dtype, seq_idx=None if seq_idx is None else sequence_runs(seq_idx, xp=xp),
+                      varlen=varlen)
 
 
 def _check_projection_dtype(name: str, value: Array, x: Array, cdtype: Any) -> None:

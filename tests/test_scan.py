@@ -198,8 +198,9 @@ def test_chunk_size_selection_avoids_padding_short_sequences():
         assert Q <= max(l, 1) and c * Q - l < c, (l, Q)
 
 
+@pytest.mark.parametrize("injected", [False, True])
 @pytest.mark.parametrize("backend", ["numpy", "jax"])
-def test_native_state_passing_agrees_with_the_loop(backend):
+def test_native_state_passing_agrees_with_the_loop(backend, injected):
     if backend == "jax":
         jax = pytest.importorskip("jax")
         jax.config.update("jax_enable_x64", True)
@@ -217,9 +218,16 @@ def test_native_state_passing_agrees_with_the_loop(backend):
     Bt, C = (xp.asarray(rng.standard_normal(s)) for s in ((b, c, g, n, Q), (b, c, g, Q, n)))
     X = xp.permute_dims(xp.asarray(rng.standard_normal((b, c, Q, g, r * p))), (0, 1, 3, 2, 4))  # as the scan: a view
     before = np.array(state, copy=True)
-    outputs, final = native(state, decay, Bt, X, C)
-    outputs_ref, final_ref = pass_states_ref(state, decay, Bt, X, C, xp=xp)
-    assert outputs.shape == (b, c, g, Q, r * p) and final.shape == state.shape
+    if injected:  # per-sequence initial states (cu_seqlens): the states leaving every chunk come back
+        inject = xp.asarray(rng.standard_normal((b, c, g, n, r, p)))
+        outputs, final = native(state, decay, Bt, X, C, inject)
+        outputs_ref, final_ref = pass_states_ref(state, decay, Bt, X, C, xp=xp, inject=inject)
+        assert final.shape == (b, c, g, n, r, p)
+    else:
+        outputs, final = native(state, decay, Bt, X, C)
+        outputs_ref, final_ref = pass_states_ref(state, decay, Bt, X, C, xp=xp)
+        assert final.shape == state.shape
+    assert outputs.shape == (b, c, g, Q, r * p)
     np.testing.assert_allclose(np.asarray(outputs), np.asarray(outputs_ref), rtol=1e-12)
     np.testing.assert_allclose(np.asarray(final), np.asarray(final_ref), rtol=1e-12)
     np.testing.assert_array_equal(np.asarray(state), before)  # the caller's state is left alone

@@ -129,17 +129,19 @@ def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, grou
 
 
 def pass_states(state: np.ndarray, chunk_decay: np.ndarray, Bt: np.ndarray, X: np.ndarray,
-                C: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                C: np.ndarray, inject: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """In-place version of ``portable_ssm.ssd.pass_states_ref``: each chunk's ``C_c S_in[c]`` is
     written straight into one output array and the state is updated in place (in a copy: the
     caller's state is never modified), so no per-chunk temporaries or final stack are allocated
     (about 10% of a 130m layer's forward at l=2048). Shapes as the reference: state
     ``[b, g, n, r, p]``, chunk_decay ``[b, c, g, 1, r, 1]``, Bt ``[b, c, g, n, Q]``, X ``[b, c, g, Q, r·p]``,
-    C ``[b, c, g, Q, n]`` -> ``(outputs [b, c, g, Q, r·p], final state [b, g, n, r, p])``."""
+    C ``[b, c, g, Q, n]`` -> ``(outputs [b, c, g, Q, r·p], final state [b, g, n, r, p])``; with
+    ``inject [b, c, g, n, r, p]`` added to each leaving state, the stack of them instead of the last."""
     b, g, n, r, p = state.shape
     c, Q = C.shape[1], C.shape[3]
-    dtype = np.result_type(state, chunk_decay, Bt, X, C)
+    dtype = np.result_type(state, chunk_decay, Bt, X, C, *(() if inject is None else (inject,)))
     outputs = np.empty((b, c, g, Q, r * p), dtype=dtype)
+    leaving = None if inject is None else np.empty((b, c, g, n, r, p), dtype=dtype)
     final = np.array(state, dtype=dtype, order="C")  # [b, g, n, r, p], updated in place
     flat = _view(final, (b, g, n, r * p))
     added = np.empty((b, g, n, r * p), dtype=dtype)
@@ -148,7 +150,10 @@ def pass_states(state: np.ndarray, chunk_decay: np.ndarray, Bt: np.ndarray, X: n
         np.matmul(Bt[:, i], X[:, i], out=added)  # what chunk i adds
         final *= chunk_decay[:, i]
         flat += added
-    return outputs, final
+        if leaving is not None:
+            final += inject[:, i]
+            leaving[:, i] = final
+    return outputs, final if leaving is None else leaving
 
 
 def _view(v: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
