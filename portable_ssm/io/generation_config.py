@@ -7,11 +7,11 @@ Only the fields generation understands are read, each type-checked (a wrong type
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from .errors import CheckpointError
+from .strict_json import read_file
 
 FILE_NAME = "generation_config.json"
 
@@ -53,11 +53,7 @@ def read_generation_config(folder: str | os.PathLike) -> dict[str, Any]:
     path = os.path.join(os.fspath(folder), FILE_NAME)
     if not os.path.isfile(path):
         return {}
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    raw = read_file(path)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     known = (*_INTS, *_NUMBERS, "do_sample", "eos_token_id")

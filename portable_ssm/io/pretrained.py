@@ -34,28 +34,13 @@ from .checkpoint import load_params
 from .errors import CheckpointError
 from .generation_config import read_generation_config
 from .layouts import Tensors, config_fields, eos_token_ids, minimum_bytes, sanitize, shown
+from .strict_json import read_file
 
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_JSON_LIMIT = 64 << 20  # config.json and shard indexes are kilobytes; a bigger one is not read
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-
-
-def _read_json(path: str) -> Any:
-    """The JSON document at ``path``; CheckpointError naming the file when it is not one (too big,
-    not UTF-8, malformed or nested too deep)."""
-    if os.path.getsize(path) > _JSON_LIMIT:
-        raise CheckpointError(f"{path}: {os.path.getsize(path)} bytes, more than the {_JSON_LIMIT} a JSON "
-                              f"file of a checkpoint may hold")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
-    except RecursionError:
-        raise CheckpointError(f"{path}: not valid JSON (nested too deep)") from None
 
 
 def _read_torch_bin(path: str) -> Tensors:
@@ -107,7 +92,7 @@ def _shard_path(folder: str, index: str, name: Any) -> str:
 
 def _weight_map(index: str, folder: str) -> dict[str, str]:
     """A shard index's ``weight_map``: tensor name -> shard file, every name checked."""
-    raw = _read_json(index)
+    raw = read_file(index)
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: weight_map: expected a non-empty JSON object of tensor name -> "
@@ -296,7 +281,7 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{path}: expected a checkpoint directory with config.json or a file "
                                 f"written by portable_ssm.save_params")
-    raw = _read_json(config_path)
+    raw = read_file(config_path)
     fields = config_fields(raw, path)
     eos = eos_token_ids(raw.get("eos_token_id"), f"{path}: config.json")
     files, index, weight_map = _weight_files(path)

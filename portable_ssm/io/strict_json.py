@@ -3,11 +3,14 @@
 ``json.loads`` accepts duplicate keys (the last silently wins), ``NaN``/``Infinity``, and escapes
 deep nesting as RecursionError and 5000-digit integers as ValueError. :func:`loads` refuses the
 first two and turns the rest into :class:`~portable_ssm.io.CheckpointError` naming ``where``.
+:func:`read_file` reads a checkpoint's JSON files, bounded in size and failing only with
+CheckpointError.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import reprlib
 from typing import Any
 
@@ -16,6 +19,7 @@ from .errors import CheckpointError
 #: Bounded ``repr`` for values quoted in error messages (a hostile value may be megabytes long).
 SHORT = reprlib.Repr()
 SHORT.maxstring, SHORT.maxother, SHORT.maxlist, SHORT.maxdict, SHORT.maxlevel = 120, 60, 6, 4, 3
+_JSON_LIMIT = 64 << 20  # config.json and shard indexes are kilobytes; a bigger one is not read
 
 
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -42,3 +46,19 @@ def loads(text: str | bytes, where: str) -> Any:
         raise CheckpointError(f"{where} is not valid JSON (nested too deeply)") from None
     except (ValueError, TypeError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{where} is not valid JSON ({err})") from None
+
+
+def read_file(path: str) -> Any:
+    """The JSON document in the file at ``path`` (config.json, shard indexes, generation_config.json):
+    Python's JSON, NaN and Infinity included (transformers writes ``[0.0, Infinity]``); CheckpointError
+    naming the file when it is not one (too big, not UTF-8, malformed or nested too deep)."""
+    if os.path.getsize(path) > _JSON_LIMIT:
+        raise CheckpointError(f"{path}: {os.path.getsize(path)} bytes, more than the {_JSON_LIMIT} a JSON "
+                              f"file of a checkpoint may hold")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON (nested too deep)") from None
