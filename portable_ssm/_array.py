@@ -42,6 +42,36 @@ def array_backend(x: Array) -> str:
     return backend_name(array_api_compat.array_namespace(x))
 
 
+#: The namespace of each library's array types seen so far: for them ``array_namespace`` depends on
+#: the type alone, and asking it again for every parameter was most of a decode step's checks.
+#: Other array objects (a QuantizedWeight answers with its storage's namespace) are asked each time.
+_NAMESPACE_OF_TYPE: dict[type, Namespace] = {}
+_LIBRARY_ARRAYS = (array_api_compat.is_numpy_array, array_api_compat.is_torch_array, array_api_compat.is_cupy_array,
+                   array_api_compat.is_jax_array)
+
+
+def _is_library_array(value: Any) -> bool:
+    """Whether ``value`` is one of the five libraries' own arrays (not a wrapper like QuantizedWeight)."""
+    return any(is_array(value) for is_array in _LIBRARY_ARRAYS) or type(value).__module__.startswith("array_api_strict")
+
+
+def _namespace_of(name: str, value: Any) -> Namespace:
+    """``array_namespace(value)``, remembered by type for the libraries' own arrays (not while
+    ``torch.compile`` traces: it would guard on the cache and recompile as it fills); TypeError
+    naming ``name`` for a non-array."""
+    torch = sys.modules.get("torch")
+    tracing = torch is not None and torch.compiler.is_compiling()
+    xp = None if tracing else _NAMESPACE_OF_TYPE.get(type(value))
+    if xp is None:
+        if not array_api_compat.is_array_api_obj(value):
+            raise TypeError(f"{name}: expected an array (numpy, torch, cupy, jax, array_api_strict), "
+                            f"got {type(value).__name__}")
+        xp = array_api_compat.array_namespace(value)
+        if not tracing and _is_library_array(value):
+            _NAMESPACE_OF_TYPE[type(value)] = xp
+    return xp
+
+
 def namespace(**arrays: Array | None) -> Namespace:
     """The array namespace shared by the named arrays (``None`` values are skipped).
 
@@ -52,10 +82,7 @@ def namespace(**arrays: Array | None) -> Namespace:
     for name, value in arrays.items():
         if value is None:
             continue
-        if not array_api_compat.is_array_api_obj(value):
-            raise TypeError(f"{name}: expected an array (numpy, torch, cupy, jax, array_api_strict), "
-                            f"got {type(value).__name__}")
-        xp = array_api_compat.array_namespace(value)
+        xp = _namespace_of(name, value)
         if first_xp is None:
             first_name, first_xp = name, xp
         elif backend_name(xp) != backend_name(first_xp):

@@ -21,6 +21,12 @@ from .config import Mamba2Config, check_config
 Params = dict[str, Array]
 
 
+#: Every name a layer's mixer parameter can have, after ``layers.{i}.mixer.`` (:func:`param_shapes`
+#: gives the ones a config has).
+MIXER_LEAVES = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
+                "norm.weight", "out_proj.weight", "out_proj.bias")
+
+
 def param_shapes(config: Mamba2Config) -> dict[str, tuple[int, ...]]:
     """Every parameter name with its shape, in checkpoint order. With ``D_has_hdim`` D is
     ``[nheads, headdim]`` (mamba_ssm stores it flat, ``[nheads·headdim]``; the loader reshapes it);

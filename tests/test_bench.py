@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import portable_ssm as ps
 from portable_ssm.bench import runner as bench
 
 
@@ -101,9 +102,29 @@ def test_transformers_runs_the_same_weights_and_sets_the_ratios(one_torch_thread
     assert all(r.sgemm is not None and r.sgemm > 0 for r in rows)  # timed in the same rounds
     assert float(numpy_row.check) < 1e-5  # portable_ssm's output vs transformers' on the same weights
     assert numpy_row.ratio is not None and numpy_row.ratio > 0
-    rows = bench.run_group([bench.Case("decode", "tiny-lm", lm, 2, bench.PROMPT)], ["numpy", "transformers"], 2)
+    rows = bench.run_group([bench.Case("decode", "tiny-lm", lm, 2, bench.PROMPT)], ["numpy", "transformers"], 2,
+                           sample_s=0.01, bandwidth_gib=1 / 64)
     tokens = 2 * (bench.DECODE_STEPS + 1)
     assert [r.check for r in rows] == [f"{tokens}/{tokens}"] * 2  # greedy tokens agree step by step
+
+
+def test_decode_rows_report_the_weights_a_step_reads_against_the_bandwidth(one_torch_thread):
+    _, _, lm = bench.QUICK
+    case = bench.Case("decode", "tiny-lm", lm, 1, bench.PROMPT)
+    rows = {r.backend: r for r in bench.run_group([case], ["numpy", "numpy-int8", "torch-bf16"], 2, sample_s=0.01,
+                                                  bandwidth_gib=1 / 64)}
+    params = ps.init_params(lm, seed=0)
+    assert rows["numpy"].weight_bytes == sum(v.nbytes for v in params.values())  # tied head: embedding once
+    matrices = sum(v.size for k, v in params.items() if k.endswith(("in_proj.weight", "out_proj.weight",
+                                                                   "embedding.weight")))
+    assert rows["numpy-int8"].weight_bytes == rows["numpy"].weight_bytes - 3 * matrices + 4 * sum(
+        v.shape[0] for k, v in params.items() if k.endswith(("in_proj.weight", "out_proj.weight", "embedding.weight")))
+    assert rows["torch-bf16"].weight_bytes == rows["numpy"].weight_bytes - 2 * matrices
+    assert all(r.bandwidth is not None and r.bandwidth > 0 for r in rows.values())
+    tokens = bench.DECODE_STEPS + 1
+    assert rows["numpy-int8"].check.endswith(f"/{tokens}") and rows["numpy"].check == f"{tokens}/{tokens}"
+    text = "\n".join(bench.write_results.__globals__["_tables"](list(rows.values())))
+    assert "Memory bandwidth (streaming read):" in text and "| tiny-lm | 1 | numpy-int8 |" in text
 
 
 FULL_RUN = "# portable_ssm benchmarks\n\n- command: portable-ssm bench --threads 1 --out benchmarks\n"

@@ -25,6 +25,15 @@ def test_names_follow_the_state_spaces_checkpoints():
     assert ps.param_shapes(untied)["layers.0.mixer.D"] == (8, 16)
 
 
+def test_every_mixer_parameter_of_every_variant_is_found_by_its_layer():
+    from portable_ssm.params import MIXER_LEAVES
+
+    for config in (CFG, ps.Mamba2Config(d_model=64, headdim=16, bias=True, conv_bias=False, D_has_hdim=True),
+                   ps.Mamba2Config(d_model=64, headdim=16, rmsnorm=False, d_ssm=64)):
+        leaves = {k.split(".mixer.")[1] for k in ps.param_shapes(config) if ".mixer." in k}
+        assert leaves <= set(MIXER_LEAVES), leaves - set(MIXER_LEAVES)
+
+
 def test_initialisation_follows_mamba_ssm():
     params = ps.init_params(CFG, seed=0, dtype="float64")
     A = np.exp(params["layers.0.mixer.A_log"])

@@ -282,3 +282,16 @@ def test_trained_model_keeps_its_logits_and_greedy_tokens_with_low_precision_wei
     assert np.mean(new[0] == new[1]) >= 0.95, f"{kind}: greedy agreement {np.mean(new[0] == new[1]):.3f}"
     # the float32 model learnt the pattern, so agreeing with it means continuing the pattern
     assert np.mean(new[0] == _pattern()[np.arange(16, 80) % PERIOD]) >= 0.95
+
+
+def test_a_quantized_weight_answers_with_its_own_storage_namespace_whatever_was_seen_before():
+    torch = pytest.importorskip("torch")
+    from portable_ssm._array import backend_name, namespace
+
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    on_numpy = ps.quantize({"embedding.weight": w}, "int8")["embedding.weight"]
+    on_torch = ps.quantize({"embedding.weight": torch.from_numpy(w)}, "int8")["embedding.weight"]
+    for _ in range(2):  # namespaces are remembered by type for the libraries' arrays, never for wrappers
+        assert backend_name(namespace(w=on_numpy)) == "numpy" and backend_name(namespace(w=on_torch)) == "torch"
+    with pytest.raises(TypeError, match="w is a torch array but v is a numpy array"):
+        namespace(v=on_numpy, w=on_torch)

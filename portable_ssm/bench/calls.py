@@ -109,9 +109,50 @@ def forward_fn(backend: str, config: Mamba2Config, params: dict[str, Any], x: An
     return step
 
 
+#: Decode rows with low-precision weights: ``backend-kind`` runs ``backend`` on ``quantize(params, kind)``.
+QUANTIZED_DECODE = {"numpy-int8": ("numpy", "int8"), "numpy-bf16": ("numpy", "bfloat16"),
+                    "torch-int8": ("torch", "int8"), "torch-bf16": ("torch", "bfloat16")}
+
+
+def decode_params(backend: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` (numpy) on the decode row's backend, quantized for the ``QUANTIZED_DECODE`` rows."""
+    from ..backends import to_backend
+    from ..quantized import quantize
+
+    name, kind = QUANTIZED_DECODE.get(backend, (backend, "float32"))
+    return quantize({k: to_backend(v, name) for k, v in params.items()}, kind)
+
+
+def weight_bytes(params: dict[str, Any], config: Mamba2Config) -> int:
+    """Bytes of weights one decode step reads: every parameter once, quantized ones by their
+    storage (the tied embedding counts once, as the head; an untied embedding, of which a step
+    reads one row, is left out)."""
+    from ..quantized import params_nbytes
+
+    read = {k: v for k, v in params.items() if config.tie_embeddings or k != "embedding.weight"}
+    return params_nbytes(read)
+
+
+def bandwidth_call(threads: int, gib: float = 1.0) -> tuple[Callable[[], Any], int]:
+    """``(call, bytes)``: one streaming read of a ``gib`` GiB float32 array, split over ``threads``
+    Python threads (``numpy.max`` releases the GIL): the machine's memory bandwidth as a decode
+    step can use it, with the thread count the other rows get."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    data = np.ones(int(gib * 2**30) // 4, np.float32)
+    parts = np.array_split(data, threads)
+    pool = ThreadPoolExecutor(threads)
+    return (lambda: list(pool.map(np.max, parts))), data.nbytes
+
+
 def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
             clock: Clock) -> tuple[list[float], Any]:
-    """Greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``: step seconds, tokens."""
+    """Greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``: step seconds, tokens.
+    portable_ssm rows run :func:`portable_ssm.stream` (arguments checked once, then one unchecked
+    decode step per token, as generation runs it; compiled on JAX) and time the gap between
+    tokens as they arrive on the host."""
     import contextlib
 
     import numpy as np
@@ -133,20 +174,18 @@ def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
             out = model.generate(torch.from_numpy(ids), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
                                  use_cache=True, logits_processor=LogitsProcessorList([stamp]))
         return list(np.diff(stamp.stamps)), host(out[:, ids.shape[1]:])
-    from ..backends import load, to_backend
-    from ..lm import logits, logits_step
+    from ..backends import to_backend
+    from ..generation import stream
 
-    xp, p = load(backend).namespace(), {k: to_backend(v, backend) for k, v in params.items()}
-    no_grad = __import__("torch").inference_mode() if backend == "torch" else contextlib.nullcontext()
+    name = QUANTIZED_DECODE.get(backend, (backend,))[0]
+    p = decode_params(backend, params)
+    no_grad = __import__("torch").inference_mode() if name == "torch" else contextlib.nullcontext()
+    tokens, stamps = [], []
     with no_grad:
-        out, state = logits(to_backend(ids, backend), p, config=config, return_state=True)
-        tokens, times = [xp.argmax(out[:, -1, :], axis=-1)], []
-        for _ in range(DECODE_STEPS):
-            start = clock()
-            out, state = logits_step(tokens[-1], state, p, config=config)
-            tokens.append(xp.argmax(out, axis=-1))
-            times.append(clock() - start)
-    return times, np.stack([host(t) for t in tokens], axis=1)
+        for token in stream(to_backend(ids, name), p, config=config, max_new_tokens=DECODE_STEPS + 1):
+            tokens.append(host(token))  # on the host: the step is done (JAX dispatches asynchronously)
+            stamps.append(clock())
+    return list(np.diff(stamps)), np.stack(tokens, axis=1)
 
 
 def sgemm_call(n: int) -> Callable[[], Any]:

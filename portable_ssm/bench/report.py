@@ -52,6 +52,8 @@ class Row:
     check: str = ""
     ratio: float | None = None
     sgemm: float | None = None  # GFLOP/s of the sgemm timed in the same rounds (forward and train)
+    weight_bytes: int | None = None  # weights one decode step reads (decode rows of portable_ssm)
+    bandwidth: float | None = None  # GB/s of the streaming read timed before the decode rows
 
 
 def forward_flops(config: Mamba2Config, batch: int, length: int) -> float:
@@ -140,10 +142,16 @@ def _tables(rows: list[Row]) -> list[str]:
     decode = [r for r in rows if r.case.part == "decode"]
     if decode:
         out += ["## Decode (greedy; tokens/s = b / median step time)", "",
-                "| model | b | backend | ms / step | tokens/s | x transformers | tokens equal to ref |",
-                "|" + "---|" * 7]
-        out += [f"| {r.case.name} | {r.case.batch} | {r.backend} | {r.seconds * 1e3:.2f} "
-                f"| {r.case.batch / r.seconds:.0f} | {_fmt(r.ratio, '.2f')} | {r.check} |" for r in decode]
+                f"Memory bandwidth (streaming read): {decode[0].bandwidth:.1f} GB/s.", "",
+                "| model | b | backend | ms / step | tokens/s | x transformers | weight MB / step | GB/s "
+                "| % bandwidth | tokens equal to ref |", "|" + "---|" * 10]
+        for r in decode:
+            rate = None if r.weight_bytes is None else r.weight_bytes / r.seconds / 1e9
+            share = None if rate is None or not r.bandwidth else 100 * rate / r.bandwidth
+            out.append(f"| {r.case.name} | {r.case.batch} | {r.backend} | {r.seconds * 1e3:.2f} "
+                       f"| {r.case.batch / r.seconds:.0f} | {_fmt(r.ratio, '.2f')} "
+                       f"| {_fmt(None if r.weight_bytes is None else r.weight_bytes / 1e6, '.4g')} "
+                       f"| {_fmt(rate, '.1f')} | {_fmt(share, '.0f')} | {r.check} |")
         out.append("")
     return out
 

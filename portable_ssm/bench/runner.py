@@ -29,11 +29,23 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Mamba2Config
-from .calls import DECODE_STEPS, PROMPT, Clock, decode, forward_fn, host, sgemm_call
+from .calls import (
+    DECODE_STEPS,
+    PROMPT,
+    QUANTIZED_DECODE,
+    Clock,
+    bandwidth_call,
+    decode,
+    decode_params,
+    forward_fn,
+    host,
+    sgemm_call,
+    weight_bytes,
+)
 from .report import Case, Row, proc_kib, write_results
 
 PARTS = ("forward", "train", "decode", "scaling")
-BACKENDS = ("numpy", "numpy-ref", "torch", "jax", "transformers")
+BACKENDS = ("numpy", "numpy-ref", "torch", "jax", "transformers", *QUANTIZED_DECODE)
 SEED = Mamba2Config(d_model=256, n_layer=2, expand=4, d_state=16, headdim=64)
 LAYER_130M = Mamba2Config(d_model=768, n_layer=1, d_state=128, headdim=64, expand=2)
 LM_130M = replace(LAYER_130M, n_layer=24, vocab_size=50280)
@@ -140,22 +152,24 @@ def _inputs(case: Case) -> Any:
 
 
 def _applies(case: Case, backend: str) -> bool:
-    """numpy-ref (numpy without its fast paths) runs forward rows only, jax has no decode row;
-    training runs on torch (portable_ssm) and transformers only."""
+    """numpy-ref (numpy without its fast paths) runs forward rows only, the low-precision rows
+    (``QUANTIZED_DECODE``) decode rows only; training runs on torch (portable_ssm) and transformers only."""
     if backend == "numpy-ref":
         return case.part == "forward"
-    if case.part == "decode":
-        return backend != "jax"
+    if backend in QUANTIZED_DECODE or case.part == "decode":
+        return case.part == "decode"
     return case.part == "forward" or backend in ("torch", "transformers")
 
 
 def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock = time.perf_counter,
-              sgemm_n: int = SGEMM_N, sample_s: float = 1.0) -> list[Row]:
+              sgemm_n: int = SGEMM_N, sample_s: float = 1.0, threads: int = 1, bandwidth_gib: float = 1.0) -> list[Row]:
     """Measures cases of one config on each backend that applies, then fills ratios (to transformers
     on the same case) and agreement checks. Forward and training calls of every case and backend
     and an ``[sgemm_n, sgemm_n]`` sgemm run side by side in the same rounds (:func:`measure`), so
     ratios across backends and across lengths compare calls made under the same machine load;
-    decode steps are timed backend after backend."""
+    decode steps are timed backend after backend, after the memory bandwidth (a streaming read on
+    ``threads`` threads, :func:`~portable_ssm.bench.calls.bandwidth_call`) their weight reads are
+    compared with."""
     import numpy as np
 
     from ..params import init_params
@@ -165,9 +179,13 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
     pairs = [(case, b) for case in group for b in backends if _applies(case, b)]
     rows, outputs = [], {}
     if group[0].part == "decode":
+        read, nbytes = bandwidth_call(threads, bandwidth_gib)
+        bandwidth = nbytes / measure({"read": read}, repeats, clock, sample_s=sample_s)["read"][0] / 1e9
         for case, backend in pairs:
             times, outputs[case, backend] = decode(backend, case.config, params, inputs[case], clock)
-            rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None))
+            weights = None if backend == "transformers" else weight_bytes(decode_params(backend, params), case.config)
+            rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None,
+                            weight_bytes=weights, bandwidth=bandwidth))
     else:
         fns = {(case, b): forward_fn(b, case.config, params, inputs[case], case.part == "train") for case, b in pairs}
         measured = measure({**fns, SGEMM: sgemm_call(sgemm_n)}, repeats, clock, sample_s=sample_s)
@@ -284,14 +302,18 @@ def main(argv: list[str] | None = None) -> int:
               "sgemm timed in the same rounds, so ratios across backends and lengths share the machine's load",
               "jax rows time `jax.jit(forward)`; their first ms includes the compile",
               f"decode: {PROMPT}-token prompt, then {DECODE_STEPS} greedy steps timed one by one "
-              "(portable_ssm.lm.logits_step + argmax; transformers: generate(use_cache=True))"]
+              "(portable_ssm.stream, the tokens as they reach the host; transformers: "
+              "generate(use_cache=True)); numpy-int8 etc.: the same weights through portable_ssm.quantize",
+              "decode GB/s: the weights one step reads / its median time; % bandwidth: against a streaming "
+              "read of 1 GiB (numpy.max over as many Python threads as --threads) timed before the decode rows"]
     clock = CLOCKS[args.clock]
     if args.clock == "cpu":
         notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
     rows: list[Row] = []
     for group in _progress(groups(cases(parts, args.quick, args.max_len))):
         rows += run_group(group, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N,
-                          sample_s=0.05 if args.quick else 1.0)
+                          sample_s=0.05 if args.quick else 1.0, threads=args.threads or os.cpu_count() or 1,
+                          bandwidth_gib=1 / 16 if args.quick else 1.0)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print(f"wrote {write_results(rows, out, notes, append=args.append)}")
     return 0
