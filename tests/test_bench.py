@@ -1,16 +1,35 @@
 """The benchmark runner (portable_ssm.bench): a quick run writes its table and plot; transformers is
 given the same weights; the parts select their shapes; results go to ./bench-out unless --out says
-otherwise, and a --quick run never replaces a full run's results. Timings are never asserted."""
+otherwise, and a --quick run never replaces a full run's results; llama.cpp rows run where
+llama-cpp-python and llama.cpp's converter are there and are skipped with a note otherwise.
+Timings are never asserted."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import importlib.util
+import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 import portable_ssm as ps
+from portable_ssm.bench import llama
 from portable_ssm.bench import runner as bench
+from portable_ssm.bench.report import Case, Row, write_results
+
+#: llama.cpp's convert_hf_to_gguf.py, for the test that runs real llama.cpp rows (read before the
+#: fixture below hides it from the other tests).
+LLAMA_CONVERT = os.environ.get(llama.CONVERT_ENV)
+
+
+@pytest.fixture(autouse=True)
+def no_llama_converter_from_the_environment(monkeypatch):
+    """Runs get llama.cpp rows only where a test gives the converter."""
+    monkeypatch.delenv(llama.CONVERT_ENV, raising=False)
 
 
 def test_quick_numpy_run_writes_a_markdown_table_and_a_png(tmp_path):
@@ -20,7 +39,8 @@ def test_quick_numpy_run_writes_a_markdown_table_and_a_png(tmp_path):
     text = (tmp_path / "RESULTS.md").read_text()
     assert "| shape | b | l | backend | median ms |" in text
     for row in ("| seed | 2 | 24 | numpy |", "| 130m-layer | 1 | 64 | numpy |",
-                "| 130m-layer | 1 | 256 | numpy |", "| tiny-lm | 1 | numpy |", "| tiny-lm | 8 | numpy |"):
+                "| 130m-layer | 1 | 256 | numpy |", "| tiny-lm | 1 | 64 | numpy |", "| tiny-lm | 1 | numpy |",
+                "| tiny-lm | 8 | numpy |"):
         assert row in text, row
     assert "sgemm over the groups (numpy float32 matmul, timed beside each):" in text and "FLOP count" in text
     png = (tmp_path / "scaling.png").read_bytes()
@@ -65,11 +85,11 @@ def test_a_sample_of_quick_calls_averages_back_to_back_calls():
 
 
 def test_lengths_of_one_shape_are_measured_as_one_group():
-    shapes = bench.cases(("forward", "train", "decode"), quick=False, max_len=None)
+    shapes = bench.cases(("forward", "train", "prefill", "decode"), quick=False, max_len=None)
     assert [[(c.part, c.name, c.length) for c in g] for g in bench.groups(shapes)] == [
         [("forward", "seed", 60)], [("forward", "130m-layer", n) for n in bench.LENGTHS],
         [("train", "seed", 60)], [("train", "130m-layer", n) for n in bench.LENGTHS if n <= bench.TRAIN_MAX_LEN],
-        [("decode", "130m-lm", bench.PROMPT)], [("decode", "130m-lm", bench.PROMPT)]]
+        [("prefill", "130m-lm", 2048)], [("decode", "130m-lm", bench.PROMPT)], [("decode", "130m-lm", bench.PROMPT)]]
 
 
 def test_parts_and_max_len_choose_the_shapes():
@@ -79,7 +99,11 @@ def test_parts_and_max_len_choose_the_shapes():
     assert max(c.length for c in train) == bench.TRAIN_MAX_LEN
     decode = bench.cases(("decode",), quick=False, max_len=None)
     assert [(c.batch, c.config.n_layer, c.config.vocab_size, c.config.d_model) for c in decode] == [
-        (1, 24, 50280, 768), (8, 24, 50280, 768)]
+        (1, 24, 50288, 768), (8, 24, 50288, 768)]  # 50288: a multiple of 16, as llama.cpp needs
+    prefill = bench.cases(("prefill",), quick=False, max_len=None)
+    assert [(c.batch, c.length, c.config) for c in prefill] == [(1, 2048, bench.LM_130M)]
+    assert bench.cases(("prefill",), quick=True, max_len=None)[0].length == bench.QUICK_PREFILL
+    assert bench.cases(("prefill",), quick=False, max_len=1024) == []
 
 
 @pytest.fixture
@@ -178,3 +202,133 @@ def test_quick_help_states_the_measured_time(capsys):
     help_text = "".join(capsys.readouterr().out.split())  # without argparse's line breaks
     assert f"({bench.QUICK_NOTE})".replace(" ", "") in help_text and "underaminute" not in help_text
     assert "(default./bench-out;" in help_text
+
+
+def _cells(text: str, start: str) -> list[str]:
+    """The cells of the markdown row that starts with ``start``."""
+    line = next(line for line in text.splitlines() if line.startswith(start))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def _installed(*names: str, request: pytest.FixtureRequest) -> list[str]:
+    """Those of ``names`` that are installed (torch on one thread while the test runs, when it is)."""
+    if importlib.util.find_spec("torch"):
+        request.getfixturevalue("one_torch_thread")
+    return [name for name in names if importlib.util.find_spec(name)]
+
+
+def test_quick_prefill_part_writes_its_table_with_the_last_logits_error(tmp_path, request):
+    installed = _installed("numpy", "transformers", request=request)
+    out = tmp_path / "out"
+    assert bench.main(["--quick", "--only", "prefill", "--backends", ",".join(installed), "--repeats", "2",
+                       "--out", str(out)]) == 0
+    text = (out / "RESULTS.md").read_text()
+    assert "## Prefill (b=1: the prompt pass to the last position's logits" in text
+    assert "## Decode" not in text and "## Forward" not in text
+    numpy_row = _cells(text, f"| tiny-lm | 1 | {bench.QUICK_PREFILL} | numpy |")
+    assert float(numpy_row[4]) > 0 and float(numpy_row[7]) > 0  # median ms, tokens/s
+    if "transformers" in installed:
+        assert numpy_row[8] != "-" and float(numpy_row[-1]) < 1e-5  # last logits vs transformers'
+        assert _cells(text, f"| tiny-lm | 1 | {bench.QUICK_PREFILL} | transformers |")[-1] == "0.0e+00"
+    assert "llama.cpp rows skipped: " in text and "llama.cpp-" not in text
+
+
+def test_prefill_gives_the_last_logits_of_the_full_forward_on_each_backend(request):
+    import numpy as np
+
+    from portable_ssm.bench.calls import host, prefill_fn
+    from portable_ssm.lm import logits
+    from portable_ssm.params import init_params
+
+    config = bench.QUICK[2]
+    params, ids = init_params(config, seed=0), np.random.default_rng(1).integers(0, config.vocab_size, (1, 40))
+    want = logits(ids, params, config=config)[:, -1, :]
+    for backend in _installed("numpy", "torch", "jax", "transformers", request=request):
+        got = host(prefill_fn(backend, config, params, ids)())
+        assert got.shape == (1, config.padded_vocab_size) and got.dtype == np.float32, backend
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=backend)
+
+
+def test_llama_convert_without_llama_cpp_gives_a_note_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # llama-cpp-python is not installed
+    converter = tmp_path / "convert_hf_to_gguf.py"
+    converter.write_text("raise SystemExit('the converter must not run without llama_cpp')\n")
+    for args in (["--llama-convert", str(converter)], []):
+        out = tmp_path / f"out{len(args)}"
+        assert bench.main(["--quick", "--only", "prefill,decode", "--backends", "numpy", "--repeats", "2",
+                           "--out", str(out), *args]) == 0
+        text = (out / "RESULTS.md").read_text()
+        assert "- llama.cpp rows skipped: llama_cpp (llama-cpp-python) is not installed" in text, args
+        assert "| llama.cpp-" not in text and "llama.cpp f32" not in text
+        assert f"| tiny-lm | 1 | {bench.QUICK_PREFILL} | numpy |" in text and "| tiny-lm | 1 | numpy |" in text
+
+
+def test_llama_rows_say_what_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))  # as if installed
+    assert llama.unavailable(None) == ("llama.cpp rows skipped: no converter given (--llama-convert "
+                                       "PATH/TO/convert_hf_to_gguf.py or PORTABLE_SSM_LLAMA_CONVERT)")
+    assert llama.unavailable(str(tmp_path / "nowhere.py")).endswith("nowhere.py is not a file")
+    converter = tmp_path / "convert_hf_to_gguf.py"
+    converter.write_text("")
+    def importlib_with(*missing: str) -> types.SimpleNamespace:  # llama's view of what is installed
+        return types.SimpleNamespace(util=types.SimpleNamespace(find_spec=lambda name: name not in missing or None))
+
+    monkeypatch.setattr(llama, "importlib", importlib_with("gguf"))
+    assert "the conversion needs gguf" in llama.unavailable(str(converter))
+    monkeypatch.setattr(llama, "importlib", importlib_with())
+    assert llama.unavailable(str(converter), bench.LM_130M) is None
+    odd = dataclasses.replace(bench.LM_130M, vocab_size=50280, pad_vocab_size_multiple=8)
+    assert "a multiple of 16 up to 50432, not 50280" in llama.unavailable(str(converter), odd)
+    monkeypatch.setattr(llama, "importlib", importlib)
+    out = tmp_path / "out"
+    assert bench.main(["--quick", "--only", "forward,prefill", "--max-len", "64", "--backends", "numpy",
+                       "--repeats", "2", "--out", str(out)]) == 0
+    assert "- llama.cpp rows skipped: no converter given" in (out / "RESULTS.md").read_text()
+    assert bench._llama(argparse.Namespace(llama_convert=None, quick=True, threads=None), ("forward",),
+                        notes := [], None) is None and notes == []  # no prefill or decode part: no note
+
+
+def _row(part: str, backend: str, seconds: float, batch: int = 1) -> Row:
+    return Row(Case(part, "130m-lm", bench.LM_130M, batch, 2048 if part == "prefill" else bench.PROMPT),
+               backend, seconds, 2, seconds, None)
+
+
+def test_targets_compare_the_fastest_portable_row_with_llama_cpp_f32(tmp_path):
+    rows = [_row("prefill", "numpy", 2.0), _row("prefill", "torch", 1.0), _row("prefill", "transformers", 4.0),
+            _row("prefill", "llama.cpp-f32", 1.6), _row("prefill", "llama.cpp-q8_0", 0.5),
+            _row("decode", "numpy", 0.010), _row("decode", "llama.cpp-f32", 0.012),
+            _row("decode", "torch-int8", 0.008), _row("decode", "numpy-int8", 0.009),
+            _row("decode", "llama.cpp-q8_0", 0.004), _row("decode", "torch-bf16", 0.006),
+            _row("decode", "numpy", 0.02, batch=8)]
+    text = write_results(rows, tmp_path, []).read_text()
+    targets = text[text.index("## Targets"):text.index("## Prefill")]
+    assert "- prefill 2048: best portable_ssm / llama.cpp f32 = 1.60x (torch; target >= 1.5)" in targets
+    assert "- decode b=1: best portable_ssm float32 vs llama.cpp-f32 = 1.20x (numpy; target >= 1)" in targets
+    assert "- decode b=1: best portable_ssm 8-bit vs llama.cpp-q8_0 = 0.50x (torch-int8; target >= 1)" in targets
+    assert targets.count("llama.cpp") == 3  # no f16 row: no bfloat16 line
+    assert "| 130m-lm | 1 | 2048 | llama.cpp-q8_0 | 500.0 | 2 | 500 | 4096 |" in text
+    assert "| 130m-lm | 1 | llama.cpp-f32 | 12.00 | 83 |" in text
+    without = write_results([r for r in rows if "llama" not in r.backend], tmp_path / "b", []).read_text()
+    assert "llama.cpp f32" not in without
+
+
+def test_llama_cpp_rows_run_the_same_weights_on_the_tiny_lm(tmp_path):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    if not LLAMA_CONVERT:
+        pytest.skip(f"set {llama.CONVERT_ENV} to llama.cpp's convert_hf_to_gguf.py to run the llama.cpp rows")
+    out = tmp_path / "out"
+    assert bench.main(["--quick", "--only", "prefill,decode", "--backends", "numpy,transformers", "--threads", "1",
+                       "--repeats", "2", "--out", str(out), "--llama-convert", LLAMA_CONVERT]) == 0
+    text = (out / "RESULTS.md").read_text()
+    assert "- llama.cpp rows: llama-cpp-python " in text and "skipped" not in text
+    tokens = f"{bench.DECODE_STEPS + 1}/{bench.DECODE_STEPS + 1}"
+    for name in llama.ROWS:
+        prefill = _cells(text, f"| tiny-lm | 1 | {bench.QUICK_PREFILL} | {name} |")
+        assert float(prefill[-1]) < (1e-4 if name == "llama.cpp-f32" else 0.5), prefill  # vs transformers
+        decode = _cells(text, f"| tiny-lm | 1 | {name} |")
+        assert name != "llama.cpp-f32" or decode[-1] == tokens, decode  # greedy tokens equal transformers'
+    assert "| tiny-lm | 8 | llama.cpp-" not in text  # llama.cpp rows decode one sequence
+    assert f"- prefill {bench.QUICK_PREFILL}: best portable_ssm / llama.cpp f32 = " in text
+    assert "- decode b=1: best portable_ssm float32 vs llama.cpp f32 = " in text

@@ -1,9 +1,10 @@
 """What the benchmarks time (tooling, not core): one call per backend on identical weights.
 
 :func:`forward_fn` builds a no-argument forward (or forward + backward) on numpy (with or without
-its native fast paths), torch, jax or transformers' pure-torch ``Mamba2Model``; :func:`decode`
-times greedy decode steps; :func:`sgemm_call` is the matrix multiply the machine's rate is
-measured with. Frameworks are imported inside functions only.
+its native fast paths), torch, jax or transformers' pure-torch ``Mamba2Model``; :func:`prefill_fn`
+a language model's prompt pass to the last position's logits; :func:`decode` times greedy decode
+steps; :func:`sgemm_call` is the matrix multiply the machine's rate is measured with. Frameworks
+are imported inside functions only.
 """
 
 from __future__ import annotations
@@ -145,6 +146,35 @@ def bandwidth_call(threads: int, gib: float = 1.0) -> tuple[Callable[[], Any], i
     parts = np.array_split(data, threads)
     pool = ThreadPoolExecutor(threads)
     return (lambda: list(pool.map(np.max, parts))), data.nbytes
+
+
+def prefill_fn(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any) -> Callable[[], Any]:
+    """A no-argument prompt pass over ``ids [b, l]`` giving the last position's logits ``[b, vocab]``:
+    :func:`portable_ssm.lm.prefill` (what generation runs; on jax under ``jax.jit``), or
+    transformers' ``Mamba2ForCausalLM`` with ``logits_to_keep=1`` and no cache."""
+    if backend == "transformers":
+        import torch
+
+        model, ids_t = transformers_model(config, params, lm=True), torch.from_numpy(ids)
+        return torch.inference_mode()(lambda: model(ids_t, use_cache=False, logits_to_keep=1).logits[:, -1])
+    from ..backends import load, to_backend
+    from ..lm import prefill
+
+    xp, x = load(backend).namespace(), to_backend(ids, backend)
+    p = {k: to_backend(v, backend) for k, v in params.items()}
+
+    def call(x: Any, p: dict[str, Any]) -> Any:
+        return prefill(x, None, None, p, config=config, xp=xp)[0]
+    if backend == "jax":
+        import jax
+
+        run = jax.jit(call)
+        return lambda: run(x, p).block_until_ready()
+    if backend == "torch":
+        import torch
+
+        return torch.inference_mode()(lambda: call(x, p))
+    return lambda: call(x, p)
 
 
 def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,

@@ -26,6 +26,8 @@ FLOP_NOTE = ("FLOP count, per layer and token (multiply-add = 2): projections 2Â
              "counted). x transformers = transformers' median / this row's median. Peak MiB: rise of the "
              "process's peak RSS during one call. rel err: max |y - y_ref| / max |y_ref|, ref = "
              "transformers (numpy without it).")
+#: The rows that are portable_ssm (the others: transformers, llama.cpp).
+PORTABLE = ("numpy", "numpy-ref", "torch", "jax")
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,19 @@ def _tables(rows: list[Row]) -> list[str]:
                        f"| {rate:.1f} | {_fmt(None if r.sgemm is None else 100 * rate / r.sgemm, '.0f')} "
                        f"| {_fmt(r.peak_mib, '.0f')} | {r.check} |")
         out += [""] if any(r.case.part == part for r in rows) else []
+    prefill = [r for r in rows if r.case.part == "prefill"]
+    if prefill:
+        out += ["## Prefill (b=1: the prompt pass to the last position's logits; tokens/s = bÂ·l / median)", "",
+                "| model | b | prompt | backend | median ms | runs | first ms | tokens/s | x transformers "
+                "| peak MiB | rel err of the last logits |", "|" + "---|" * 11]
+        out += [f"| {r.case.name} | {r.case.batch} | {r.case.length} | {r.backend} | {r.seconds * 1e3:.1f} "
+                f"| {r.runs} | {r.first_s * 1e3:.0f} | {r.case.batch * r.case.length / r.seconds:.0f} "
+                f"| {_fmt(r.ratio, '.2f')} | {_fmt(r.peak_mib, '.0f')} | {r.check} |" for r in prefill]
+        out.append("")
     decode = [r for r in rows if r.case.part == "decode"]
     if decode:
         out += ["## Decode (greedy; tokens/s = b / median step time)", "",
-                f"Memory bandwidth (streaming read): {decode[0].bandwidth:.1f} GB/s.", "",
+                f"Memory bandwidth (streaming read): {_fmt(decode[0].bandwidth, '.1f')} GB/s.", "",
                 "| model | b | backend | ms / step | tokens/s | x transformers | weight MB / step | GB/s "
                 "| % bandwidth | tokens equal to ref |", "|" + "---|" * 10]
         for r in decode:
@@ -212,12 +223,40 @@ def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]]) -> lis
             rate = forward_flops(r.case.config, 1, 8192) / r.seconds / 1e9
             lines.append(f"numpy forward {where}: {100 * rate / r.sgemm:.1f}% of sgemm ({rate:.1f} of "
                          f"{r.sgemm:.1f} GFLOP/s; target >= 60%)")
+    lines += _llama_targets(rows)
     for backend, pts in curves.items():
         times = dict(pts)
         if 2048 in times and 32768 in times:
             aim = "target <= 18" if backend in ("numpy", "torch", "jax") else "for comparison"
             lines.append(f"{backend}: t(32768)/t(2048) = {times[32768] / times[2048]:.1f} ({aim})")
     return ["## Targets", ""] + [f"- {line}" for line in lines] + [""] if lines else []
+
+
+#: Issue 14's decode comparisons: the portable_ssm rows of one weight precision, the llama.cpp row
+#: they are held against.
+DECODE_PAIRS = (("float32", PORTABLE, "llama.cpp-f32"), ("8-bit", ("numpy-int8", "torch-int8"), "llama.cpp-q8_0"),
+                ("bfloat16", ("numpy-bf16", "torch-bf16"), "llama.cpp-f16"))
+
+
+def _llama_targets(rows: list[Row]) -> list[str]:
+    """Issue 14's goals against llama.cpp, where a case has its row: the fastest portable_ssm row's
+    speed over llama.cpp's (llama.cpp's time / portable_ssm's); prefill against f32, decode at each
+    weight precision against llama.cpp's of the same size."""
+    lines = []
+    for case in dict.fromkeys(r.case for r in rows if r.backend.startswith("llama.cpp")):
+        pairs = DECODE_PAIRS if case.part == "decode" else DECODE_PAIRS[:1]
+        for precision, ours, theirs in pairs:
+            llama = next((r for r in rows if r.case == case and r.backend == theirs), None)
+            best = min((r for r in rows if r.case == case and r.backend in ours), key=lambda r: r.seconds,
+                       default=None)
+            if llama is None or best is None:
+                continue
+            speed = f"{llama.seconds / best.seconds:.2f}x ({best.backend}"
+            if case.part == "prefill":
+                lines.append(f"prefill {case.length}: best portable_ssm / llama.cpp f32 = {speed}; target >= 1.5)")
+            elif case.batch == 1:
+                lines.append(f"decode b=1: best portable_ssm {precision} vs {theirs} = {speed}; target >= 1)")
+    return lines
 
 
 def write_results(rows: list[Row], out: Path, notes: list[str], *, append: bool = False) -> Path:

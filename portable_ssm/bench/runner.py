@@ -5,9 +5,14 @@ One run builds identical random weights for portable_ssm and, when installed, tr
 
 - ``forward``: inference at the seed shape and a mamba2-130m layer at l = 512 ... 32768;
 - ``train``: forward + backward on torch (portable_ssm and transformers);
+- ``prefill``: a mamba2-130m-shaped random LM's pass over a 2048-token prompt to the last
+  position's logits, at batch 1;
 - ``decode``: tokens/s of a mamba2-130m-shaped random LM at batch 1 and 8 (``logits_step``
   against transformers' cached ``generate``);
 - ``scaling``: the 130m-layer rows alone, for the time-vs-length table and plot.
+
+With llama-cpp-python installed and llama.cpp's converter given (``--llama-convert``), the prefill
+and batch-1 decode parts also time llama.cpp on the same weights (:mod:`portable_ssm.bench.llama`).
 
 It reports medians, ratios to transformers measured in the same run, GFLOP/s against this
 machine's sgemm rate (numpy float32 matmul, timed in the same rounds), peak memory and time-vs-length scaling,
@@ -19,6 +24,7 @@ functions only, so ``import portable_ssm`` stays framework-free.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -39,20 +45,23 @@ from .calls import (
     decode_params,
     forward_fn,
     host,
+    prefill_fn,
     sgemm_call,
     weight_bytes,
 )
+from .llama import CONVERT_ENV, ROWS, LlamaCpp, greedy, prefill_calls, thread_count, unavailable
 from .report import Case, Row, proc_kib, write_results
 
-PARTS = ("forward", "train", "decode", "scaling")
+PARTS = ("forward", "train", "prefill", "decode", "scaling")
 BACKENDS = ("numpy", "numpy-ref", "torch", "jax", "transformers", *QUANTIZED_DECODE)
 SEED = Mamba2Config(d_model=256, n_layer=2, expand=4, d_state=16, headdim=64)
 LAYER_130M = Mamba2Config(d_model=768, n_layer=1, d_state=128, headdim=64, expand=2)
-LM_130M = replace(LAYER_130M, n_layer=24, vocab_size=50280)
+LM_130M = replace(LAYER_130M, n_layer=24, vocab_size=50288)  # a multiple of 16, as llama.cpp needs
 QUICK = (Mamba2Config(d_model=32, n_layer=2, d_state=8, headdim=16),
          Mamba2Config(d_model=32, n_layer=1, d_state=16, headdim=16),
          Mamba2Config(d_model=32, n_layer=2, d_state=16, headdim=16, vocab_size=100))
 LENGTHS, QUICK_LENGTHS = (512, 2048, 8192, 32768), (64, 256)
+PREFILL, QUICK_PREFILL = 2048, 64  # prompt lengths of the prefill part
 TRAIN_MAX_LEN = 8192  # longer training rows need more memory than a CPU runner is assumed to have
 #: The sgemm timed beside every forward and training case, in the same rounds (``[n, n] @ [n, n]``).
 SGEMM, SGEMM_N = "sgemm", 4096
@@ -73,6 +82,9 @@ def cases(parts: tuple[str, ...], quick: bool, max_len: int | None) -> list[Case
     if "train" in parts:
         out += [Case("train", "seed", seed, b, l)]
         out += [Case("train", "130m-layer", layer, 1, n) for n in lengths if n <= TRAIN_MAX_LEN]
+    prefill = QUICK_PREFILL if quick else PREFILL
+    if "prefill" in parts and (max_len is None or prefill <= max_len):
+        out += [Case("prefill", "tiny-lm" if quick else "130m-lm", lm, 1, prefill)]
     if "decode" in parts:
         out += [Case("decode", "tiny-lm" if quick else "130m-lm", lm, batch, PROMPT) for batch in (1, 8)]
     return out
@@ -80,10 +92,11 @@ def cases(parts: tuple[str, ...], quick: bool, max_len: int | None) -> list[Case
 
 def groups(shapes: list[Case]) -> list[list[Case]]:
     """Cases measured together (:func:`run_group`): forward or training cases of one shape family at
-    every length side by side, so time-vs-length ratios share the machine's load; decode cases alone."""
+    every length side by side, so time-vs-length ratios share the machine's load; prefill and decode
+    cases alone."""
     out: dict[tuple[str, str, int], list[Case]] = {}
     for i, case in enumerate(shapes):
-        key = (case.part, case.name, i if case.part == "decode" else -1)
+        key = (case.part, case.name, i if case.part in ("prefill", "decode") else -1)
         out.setdefault(key, []).append(case)
     return list(out.values())
 
@@ -142,57 +155,74 @@ def measure(fns: dict[Any, Callable[[], Any]], repeats: int, clock: Clock = time
 
 
 def _inputs(case: Case) -> Any:
-    """The case's input: token ids for decode, else float32 embeddings (the same for every backend)."""
+    """The case's input: token ids for prefill and decode, else float32 embeddings (the same for
+    every backend)."""
     import numpy as np
 
     rng = np.random.default_rng(1)
-    if case.part == "decode":
+    if case.part in ("prefill", "decode"):
         return rng.integers(0, case.config.vocab_size, (case.batch, case.length))
     return rng.standard_normal((case.batch, case.length, case.config.d_model)).astype(np.float32)
 
 
 def _applies(case: Case, backend: str) -> bool:
     """numpy-ref (numpy without its fast paths) runs forward rows only, the low-precision rows
-    (``QUANTIZED_DECODE``) decode rows only; training runs on torch (portable_ssm) and transformers only."""
+    (``QUANTIZED_DECODE``) decode rows only; training runs on torch (portable_ssm) and transformers
+    only; prefill and decode on the others."""
     if backend == "numpy-ref":
         return case.part == "forward"
-    if backend in QUANTIZED_DECODE or case.part == "decode":
+    if backend in QUANTIZED_DECODE:
         return case.part == "decode"
+    if case.part in ("prefill", "decode"):
+        return True
     return case.part == "forward" or backend in ("torch", "transformers")
 
 
 def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock = time.perf_counter,
-              sgemm_n: int = SGEMM_N, sample_s: float = 1.0, threads: int = 1, bandwidth_gib: float = 1.0) -> list[Row]:
+              sgemm_n: int = SGEMM_N, sample_s: float = 1.0, llama: LlamaCpp | None = None,
+              threads: int = 1, bandwidth_gib: float = 1.0) -> list[Row]:
     """Measures cases of one config on each backend that applies, then fills ratios (to transformers
-    on the same case) and agreement checks. Forward and training calls of every case and backend
-    and an ``[sgemm_n, sgemm_n]`` sgemm run side by side in the same rounds (:func:`measure`), so
-    ratios across backends and across lengths compare calls made under the same machine load;
-    decode steps are timed backend after backend, after the memory bandwidth (a streaming read on
-    ``threads`` threads, :func:`~portable_ssm.bench.calls.bandwidth_call`) their weight reads are
-    compared with."""
+    on the same case) and agreement checks. Forward, training and prefill calls of every case and
+    backend (forward and training with an ``[sgemm_n, sgemm_n]`` sgemm) run side by side in the
+    same rounds (:func:`measure`), so ratios across backends and across lengths compare calls made
+    under the same machine load; decode steps are timed backend after backend, after the memory
+    bandwidth (a streaming read on ``threads`` threads, :func:`~portable_ssm.bench.calls.bandwidth_call`)
+    their weight reads are compared with. With ``llama``, prefill and batch-1 decode groups also
+    get the llama.cpp rows (:data:`ROWS`)."""
     import numpy as np
 
     from ..params import init_params
 
-    params = init_params(group[0].config, seed=0)
+    part, params = group[0].part, init_params(group[0].config, seed=0)
     inputs = {case: _inputs(case) for case in group}
     pairs = [(case, b) for case in group for b in backends if _applies(case, b)]
     rows, outputs = [], {}
-    if group[0].part == "decode":
-        read, nbytes = bandwidth_call(threads, bandwidth_gib)
-        bandwidth = nbytes / measure({"read": read}, repeats, clock, sample_s=sample_s)["read"][0] / 1e9
-        for case, backend in pairs:
-            times, outputs[case, backend] = decode(backend, case.config, params, inputs[case], clock)
-            weights = None if backend == "transformers" else weight_bytes(decode_params(backend, params), case.config)
-            rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None,
-                            weight_bytes=weights, bandwidth=bandwidth))
-    else:
-        fns = {(case, b): forward_fn(b, case.config, params, inputs[case], case.part == "train") for case, b in pairs}
-        measured = measure({**fns, SGEMM: sgemm_call(sgemm_n)}, repeats, clock, sample_s=sample_s)
-        sgemm = 2 * sgemm_n**3 / measured.pop(SGEMM)[0] / 1e9
-        for (case, backend), (seconds, runs, first, peak, out) in measured.items():
-            outputs[case, backend] = host(out)
-            rows.append(Row(case, backend, seconds, runs, first, peak, sgemm=sgemm))
+    with _llama_models(group, params, llama) as models:
+        if part == "decode":
+            read, nbytes = bandwidth_call(threads, bandwidth_gib)
+            bandwidth = nbytes / measure({"read": read}, repeats, clock, sample_s=sample_s)["read"][0] / 1e9
+            for case, backend in pairs:
+                times, outputs[case, backend] = decode(backend, case.config, params, inputs[case], clock)
+                weights = None if backend == "transformers" else weight_bytes(decode_params(backend, params),
+                                                                              case.config)
+                rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None,
+                                weight_bytes=weights, bandwidth=bandwidth))
+            for name, model in models.items():
+                case = group[0]
+                times, outputs[case, name] = greedy(model, inputs[case], clock)
+                rows.append(Row(case, name, statistics.median(times), len(times), times[0], None,
+                                weight_bytes=os.path.getsize(model.model_path), bandwidth=bandwidth))
+        else:
+            fns = {(case, b): prefill_fn(b, case.config, params, inputs[case]) if part == "prefill"
+                   else forward_fn(b, case.config, params, inputs[case], part == "train") for case, b in pairs}
+            for case in group if models else []:  # llama.cpp's prefill rows
+                fns.update({(case, name): fn for name, fn in prefill_calls(models, inputs[case]).items()})
+            sgemm_fn = {} if part == "prefill" else {SGEMM: sgemm_call(sgemm_n)}
+            measured = measure({**fns, **sgemm_fn}, repeats, clock, sample_s=sample_s)
+            sgemm = 2 * sgemm_n**3 / measured.pop(SGEMM)[0] / 1e9 if sgemm_fn else None
+            for (case, backend), (seconds, runs, first, peak, out) in measured.items():
+                outputs[case, backend] = host(out)
+                rows.append(Row(case, backend, seconds, runs, first, peak, sgemm=sgemm))
     for row in rows:
         ref = outputs.get((row.case, "transformers"), outputs.get((row.case, "numpy")))
         base = next((r.seconds for r in rows if r.case == row.case and r.backend == "transformers"), None)
@@ -202,7 +232,18 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
             row.check = f"{int((got == ref).sum())}/{ref.size}"
         elif ref is not None:
             row.check = f"{float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30)):.1e}"
-    return sorted(rows, key=lambda r: (group.index(r.case), backends.index(r.backend)))
+    order = [*backends, *ROWS]
+    return sorted(rows, key=lambda r: (group.index(r.case), order.index(r.backend)))
+
+
+def _llama_models(group: list[Case], params: dict[str, Any], llama: LlamaCpp | None) -> Any:
+    """A context giving ``{row name: llama_cpp.Llama}`` for a prefill or batch-1 decode group (n_ctx:
+    the prompt plus the decoded tokens), ``{}`` otherwise."""
+    case = group[0]
+    if llama is None or case.part not in ("prefill", "decode") or case.batch != 1:
+        return contextlib.nullcontext({})
+    steps = DECODE_STEPS + 1 if case.part == "decode" else 0
+    return llama.models(case.config, params, n_ctx=max(c.length for c in group) + steps)
 
 
 def _set_threads(threads: int | None) -> list[str]:
@@ -258,6 +299,30 @@ def _plain_progress(items: list[Any]) -> Any:
         yield item
 
 
+def _llama(args: argparse.Namespace, parts: tuple[str, ...], notes: list[str],
+           stack: contextlib.ExitStack) -> LlamaCpp | None:
+    """The run's llama.cpp rows (converted files in a temporary folder that ``stack`` removes), or
+    None with a note saying why not, when the prefill or decode part runs."""
+    if not {"prefill", "decode"} & set(parts):
+        return None
+    why = unavailable(args.llama_convert, QUICK[2] if args.quick else LM_130M)
+    if why is not None:
+        notes.append(why)
+        return None
+    import tempfile
+
+    import llama_cpp
+
+    count = thread_count(args.threads)
+    notes.append(f"llama.cpp rows: llama-cpp-python {llama_cpp.__version__}, the same weights converted by "
+                 f"{args.llama_convert} to f32, f16 and q8_0 GGUF (not timed); Llama(n_threads={count}, "
+                 f"n_threads_batch={count}, n_batch=n_ctx, logits_all=False) with use_extra_bufts=False (no AMX "
+                 "repacking); prompt: one eval() to the last logits; decode (b=1 only): one eval() of the last "
+                 "token + argmax per step")
+    return LlamaCpp(Path(args.llama_convert), count, Path(stack.enter_context(
+        tempfile.TemporaryDirectory(prefix="portable-ssm-llama-"))))
+
+
 def main(argv: list[str] | None = None) -> int:
     """``portable-ssm bench``: runs the parts asked for and writes RESULTS.md and scaling.png."""
     parser = argparse.ArgumentParser(prog="portable-ssm bench", description=__doc__.split("\n\n")[0])
@@ -280,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true",
                         help="add this run as a section at the end of the folder's RESULTS.md (no plot), "
                              "e.g. a --threads 2 run after the main one")
+    parser.add_argument("--llama-convert", default=os.environ.get(CONVERT_ENV), metavar="CONVERT_HF_TO_GGUF",
+                        help="llama.cpp's convert_hf_to_gguf.py: with llama-cpp-python installed, the prefill "
+                             f"and decode parts get llama.cpp rows (default: ${CONVERT_ENV})")
     args = parser.parse_args(argv)
     parts = tuple(p.strip() for p in args.only.split(",") if p.strip())
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -291,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     import importlib.util
 
     backends = [b for b in wanted if importlib.util.find_spec(b.split("-")[0]) is not None]
-    if "torch" not in backends:
+    if importlib.util.find_spec("torch") is None:  # transformers' Mamba2 runs on torch
         backends = [b for b in backends if b != "transformers"]
     notes += [f"skipped (not installed): {b}" for b in wanted if b not in backends]
     notes += [f"load average at start: {', '.join(f'{v:.1f}' for v in os.getloadavg())}",
@@ -305,15 +373,21 @@ def main(argv: list[str] | None = None) -> int:
               "(portable_ssm.stream, the tokens as they reach the host; transformers: "
               "generate(use_cache=True)); numpy-int8 etc.: the same weights through portable_ssm.quantize",
               "decode GB/s: the weights one step reads / its median time; % bandwidth: against a streaming "
-              "read of 1 GiB (numpy.max over as many Python threads as --threads) timed before the decode rows"]
+              "read of 1 GiB (numpy.max over as many Python threads as --threads) timed before the decode rows",
+              "prefill: b=1, a prompt of random token ids to the last position's logits, timed side by side "
+              "in rounds like the forward rows (no sgemm) (portable_ssm.lm.prefill, the pass generate runs; "
+              "jax: jax.jit of it; transformers: Mamba2ForCausalLM(ids, logits_to_keep=1, use_cache=False))"]
     clock = CLOCKS[args.clock]
     if args.clock == "cpu":
         notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
     rows: list[Row] = []
-    for group in _progress(groups(cases(parts, args.quick, args.max_len))):
-        rows += run_group(group, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N,
-                          sample_s=0.05 if args.quick else 1.0, threads=args.threads or os.cpu_count() or 1,
-                          bandwidth_gib=1 / 16 if args.quick else 1.0)
+    with contextlib.ExitStack() as stack:
+        llama = _llama(args, parts, notes, stack)
+        for group in _progress(groups(cases(parts, args.quick, args.max_len))):
+            rows += run_group(group, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N,
+                              sample_s=0.05 if args.quick else 1.0, llama=llama,
+                              threads=thread_count(args.threads),
+                              bandwidth_gib=1 / 16 if args.quick else 1.0)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print(f"wrote {write_results(rows, out, notes, append=args.append)}")
     return 0

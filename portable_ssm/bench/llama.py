@@ -1,0 +1,168 @@
+"""llama.cpp comparison rows (tooling, not core): the benchmark's random LM in llama.cpp's own runtime.
+
+The rows need llama-cpp-python (``import llama_cpp``, built for this machine: README, "Benchmarks")
+and llama.cpp's converter ``convert_hf_to_gguf.py`` (in the llama-cpp-python sdist, under
+``vendor/llama.cpp/``; it needs the ``gguf`` package). The weights are the other rows' weights:
+transformers' ``save_pretrained`` of :func:`portable_ssm.bench.calls.transformers_model`, converted
+once per run and weight type (f32, f16, q8_0) and loaded with ``Llama(...)``. Token ids go in,
+never text (the converter falls back to llama.cpp's bundled GPT-NeoX vocabulary, cut to the model's
+size, which must be a multiple of 16 and at most 50432). Conversion is never timed.
+:func:`unavailable` says why rows are skipped. llama_cpp is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Mamba2Config
+from .calls import DECODE_STEPS, Clock, transformers_model
+
+#: Weight types converted, and the row each gives ("llama.cpp-f32", ...).
+OUTTYPES = ("f32", "f16", "q8_0")
+ROWS = tuple(f"llama.cpp-{t}" for t in OUTTYPES)
+#: Where the converter's path comes from without ``--llama-convert``.
+CONVERT_ENV = "PORTABLE_SSM_LLAMA_CONVERT"
+#: llama.cpp's largest vocabulary without a tokenizer file (its bundled GPT-NeoX one).
+MAX_VOCAB = 50432
+
+
+def unavailable(converter: str | None, config: Mamba2Config | None = None) -> str | None:
+    """Why the llama.cpp rows cannot run (a note for RESULTS.md), or None when they can."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama.cpp rows skipped: llama_cpp (llama-cpp-python) is not installed (README, \"Benchmarks\")"
+    if not converter:
+        return (f"llama.cpp rows skipped: no converter given (--llama-convert PATH/TO/convert_hf_to_gguf.py "
+                f"or {CONVERT_ENV})")
+    if not Path(converter).is_file():
+        return f"llama.cpp rows skipped: the converter {converter} is not a file"
+    missing = [m for m in ("gguf", "transformers", "torch") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"llama.cpp rows skipped: the conversion needs {', '.join(missing)} (pip install gguf==0.19.0 ...)"
+    vocab = None if config is None else config.padded_vocab_size
+    if vocab is not None and (vocab % 16 or vocab > MAX_VOCAB):
+        return f"llama.cpp rows skipped: llama.cpp needs a vocabulary, a multiple of 16 up to {MAX_VOCAB}, not {vocab}"
+    return None
+
+
+@contextlib.contextmanager
+def _without_extra_buffers() -> Iterator[None]:
+    """Models loaded inside get ``use_extra_bufts = False``: on x86 that turns off only the AMX
+    weight repacking, whose q8_0 matmul (``ggml_backend_amx_mul_mat``) crashed on the project's CPU."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
+def last_logits(model: Any, ids: list[int]) -> Any:
+    """Runs ``ids`` through ``model`` (a ``llama_cpp.Llama``) from an empty state: the last
+    position's logits, ``[1, vocab]`` float32 (a copy)."""
+    model.reset()
+    model.eval(ids)
+    return _logits(model)
+
+
+def _logits(model: Any) -> Any:
+    import llama_cpp
+    import numpy as np
+
+    row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(model.ctx, -1), shape=(model.n_vocab(),))
+    return row[None].copy()
+
+
+def _prompt(ids: Any) -> list[int]:
+    """The token list llama.cpp takes for ``ids [1, l]`` (one sequence)."""
+    return [int(t) for t in ids[0]]
+
+
+def greedy(model: Any, ids: Any, clock: Clock) -> tuple[list[float], Any]:
+    """``DECODE_STEPS + 1`` greedy tokens after the prompt ``ids [1, l]``: step seconds (each one
+    ``eval`` of the last token plus the argmax), tokens ``[1, DECODE_STEPS + 1]``."""
+    import numpy as np
+
+    tokens, times = [int(np.argmax(last_logits(model, _prompt(ids))))], []
+    for _ in range(DECODE_STEPS):
+        start = clock()
+        model.eval([tokens[-1]])
+        tokens.append(int(np.argmax(_logits(model))))
+        times.append(clock() - start)
+    return times, np.asarray([tokens])
+
+
+@dataclass
+class LlamaCpp:
+    """The llama.cpp rows of one run: ``converter`` (``convert_hf_to_gguf.py``), ``threads`` for
+    ``n_threads`` and ``n_threads_batch``, and ``workdir`` for the converted files. A config is
+    converted once (its weights are ``init_params(config, seed=0)``, as every row's are)."""
+
+    converter: Path
+    threads: int
+    workdir: Path
+    _folders: dict[Mamba2Config, Path] = field(default_factory=dict, init=False, repr=False)
+    _files: dict[tuple[Mamba2Config, str], Path] = field(default_factory=dict, init=False, repr=False)
+
+    def gguf(self, config: Mamba2Config, params: dict[str, Any], outtype: str) -> Path:
+        """The GGUF file of ``params`` in ``outtype``, converted on first use (run from the converter's
+        folder: it reads ``models/`` beside it)."""
+        if (config, outtype) not in self._files:
+            if config not in self._folders:
+                self._folders[config] = self.workdir / f"hf-{len(self._folders)}"
+                transformers_model(config, params, lm=True).save_pretrained(self._folders[config])
+            folder = self._folders[config]
+            out = folder.with_name(f"{folder.name}-{outtype}.gguf")
+            done = subprocess.run([sys.executable, str(self.converter.resolve()), str(folder.resolve()),
+                                   "--outtype", outtype, "--outfile", str(out.resolve())],
+                                  cwd=self.converter.resolve().parent, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{self.converter} failed ({done.returncode}) on {folder}:\n{done.stderr[-3000:]}")
+            self._files[config, outtype] = out
+        return self._files[config, outtype]
+
+    @contextlib.contextmanager
+    def models(self, config: Mamba2Config, params: dict[str, Any], n_ctx: int) -> Iterator[dict[str, Any]]:
+        """``{row name: llama_cpp.Llama}`` for each weight type, with ``n_ctx`` positions and the
+        whole prompt in one logical batch (``n_batch = n_ctx``; llama.cpp's ``n_ubatch`` default of
+        512), closed on exit."""
+        from llama_cpp import Llama
+
+        files = {row: self.gguf(config, params, t) for row, t in zip(ROWS, OUTTYPES)}
+        with contextlib.ExitStack() as stack:
+            loaded = {}
+            with _without_extra_buffers():
+                for row, path in files.items():
+                    model = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=self.threads,
+                                  n_threads_batch=self.threads, logits_all=False, verbose=False)
+                    stack.callback(model.close)
+                    loaded[row] = model
+            yield loaded
+
+
+def prefill_calls(models: dict[str, Any], ids: Any) -> dict[str, Callable[[], Any]]:
+    """A no-argument prompt pass per model: ``ids [1, l]`` -> last logits ``[1, vocab]``."""
+    prompt = _prompt(ids)
+    return {row: (lambda model=model: last_logits(model, prompt)) for row, model in models.items()}
+
+
+def thread_count(requested: int | None) -> int:
+    """The thread count of the rows that take one (llama.cpp, the bandwidth read): ``--threads``, else every core."""
+    return requested or os.cpu_count() or 1
