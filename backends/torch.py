@@ -11,6 +11,7 @@ core's parameters as ``nn.Parameter``s under their checkpoint names and call the
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import array_api_compat.torch as xp
@@ -169,6 +170,17 @@ def detach_state(state: Mamba2State) -> Mamba2State:
     return Mamba2State(conv=tuple(t.detach() for t in state.conv), ssm=tuple(t.detach() for t in state.ssm))
 
 
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(fn)``, made once per function, so every module and call shares its compiled
+    graphs (one per shape and set of arguments, as torch.compile guards them)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
+
+
 class Mamba2Module(nn.Module):
     """The Mamba-2 backbone as an ``nn.Module``: ``x [b, l, d_model] -> [b, l, d_model]``.
 
@@ -184,15 +196,19 @@ class Mamba2Module(nn.Module):
         seed: the ``init_params`` seed.
         checkpoint_blocks: recompute each layer's mixer in backward (``torch.utils.checkpoint``)
             instead of keeping its activations, while gradients are being recorded.
+        compile: run the core through ``torch.compile`` (inductor: on CPU it generates C++ that
+            fuses the elementwise passes; the first call of each shape compiles, for minutes on
+            a big model). The same math as eager; tested against it, gradients included.
     """
 
     def __init__(self, config: Mamba2Config, *, dtype: torch.dtype | str | None = None, device: Any = None,
-                 seed: int = 0, checkpoint_blocks: bool = False) -> None:
+                 seed: int = 0, checkpoint_blocks: bool = False, compile: bool = False) -> None:
         super().__init__()
         if not isinstance(config, Mamba2Config):
             raise TypeError(f"config: expected a Mamba2Config, got {type(config).__name__}")
         self.config = config
         self.checkpoint_blocks = bool(checkpoint_blocks)
+        self.compile = bool(compile)
         params = init_params(config, seed=seed, backend="torch", dtype=_dtype_name(dtype), device=device)
         for name, value in params.items():
             _attach(self, name, value)
@@ -211,8 +227,8 @@ class Mamba2Module(nn.Module):
         with ``return_state``. ``initial_state`` continues an earlier segment (see
         :func:`detach_state`); ``seq_idx [b, l]`` marks packed sequences (``portable_ssm.collate``)."""
         x = self._autocast_input(x)
-        y, state = core_forward(x, self.params(), config=self.config, initial_state=initial_state,
-                                return_state=True, seq_idx=seq_idx, layer=self._layer())
+        y, state = self._core(core_forward)(x, self.params(), config=self.config, initial_state=initial_state,
+                                            return_state=True, seq_idx=seq_idx, layer=self._layer())
         return (y, self._conv_in_param_dtype(state)) if return_state else y
 
     def _param_dtype(self) -> torch.dtype:
@@ -233,6 +249,10 @@ class Mamba2Module(nn.Module):
         state passed back as ``initial_state`` must have x's dtype (SSM states stay float32)."""
         dtype = self._param_dtype()
         return Mamba2State(conv=tuple(c.to(dtype) for c in state.conv), ssm=state.ssm)
+
+    def _core(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a core entry), or its ``torch.compile`` with ``compile=True``."""
+        return compiled(fn) if self.compile else fn
 
     def _layer(self) -> Any:
         """The mixer stand-in for the core: a checkpointed mixer while gradients are recorded with
@@ -256,9 +276,9 @@ class Mamba2LMModule(Mamba2Module):
         """``input_ids [b, l]`` -> logits ``[b, l, padded_vocab]`` (float32 for float32 parameters),
         or ``(logits, state)``; arguments as :meth:`Mamba2Module.forward`, ``attention_mask [b, l]``
         (left padding) as in :func:`portable_ssm.forward`."""
-        out, state = lm.logits(input_ids, self.params(), config=self.config, initial_state=initial_state,
-                               return_state=True, seq_idx=seq_idx, layer=self._layer(),
-                               attention_mask=attention_mask)
+        out, state = self._core(lm.logits)(input_ids, self.params(), config=self.config,
+                                           initial_state=initial_state, return_state=True, seq_idx=seq_idx,
+                                           layer=self._layer(), attention_mask=attention_mask)
         return (out, self._conv_in_param_dtype(state)) if return_state else out
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int | None = None,

@@ -31,8 +31,8 @@ from portable_ssm import Mamba2Config
 
 DEFAULTS = dict(steps=3000, batch_size=64, lr=5e-3, d_model=128, n_layer=2, d_state=64, eval_every=200,
                 ckpt_every=1000, out="runs/selective_copy", tokens=8, length=64, headdim=8)
-QUICK = dict(steps=1500, batch_size=32, lr=1e-2, d_model=32, n_layer=2, d_state=32, eval_every=100,
-             ckpt_every=500, tokens=4, length=32)
+QUICK = dict(steps=1500, batch_size=32, lr=5e-3, d_model=64, n_layer=2, d_state=32, eval_every=100,
+             ckpt_every=500, tokens=4, length=48)
 VAL_SAMPLES = 512
 
 

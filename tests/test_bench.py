@@ -331,4 +331,25 @@ def test_llama_cpp_rows_run_the_same_weights_on_the_tiny_lm(tmp_path):
         assert name != "llama.cpp-f32" or decode[-1] == tokens, decode  # greedy tokens equal transformers'
     assert "| tiny-lm | 8 | llama.cpp-" not in text  # llama.cpp rows decode one sequence
     assert f"- prefill {bench.QUICK_PREFILL}: best portable_ssm / llama.cpp f32 = " in text
-    assert "- decode b=1: best portable_ssm float32 vs llama.cpp f32 = " in text
+    assert "- decode b=1: best portable_ssm float32 vs llama.cpp-f32 = " in text
+
+
+def test_fresh_peak_measures_a_row_in_new_processes_with_and_without_its_call():
+    pytest.importorskip("torch")
+    from portable_ssm.bench.peak import fresh_peak_mib
+
+    case = bench.Case("train", "130m-layer", bench.LAYER_130M, 1, 2048)
+    with_call, without = fresh_peak_mib(case, "torch")
+    # the fresh process holds the interpreter, torch and the weights; one training step at l=2048
+    # needs its activations on top (tens of MiB at least: in_proj's output alone is 26 MB)
+    assert without > 50 and with_call - without > 20
+
+
+def test_a_run_with_fresh_peak_reports_each_rows_process_memory(tmp_path):
+    assert bench.main(["--quick", "--only", "forward", "--max-len", "64", "--backends", "numpy", "--repeats", "2",
+                       "--fresh-peak", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "RESULTS.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| 130m-layer | 1 | 64 | numpy |"))
+    *_, call, process, err = (cell.strip() for cell in row.strip("|").split("|"))
+    assert float(process) > 20 and float(call) >= 0 and float(err) < 1e-5
+    assert "peak MiB from fresh processes" in text

@@ -161,6 +161,23 @@ def test_torch_compile_traces_one_whole_graph_matching_eager_values_and_gradient
         assert rel_err(q.grad.numpy(), p.grad.numpy()) < 1e-5, name  # float32 sums in another order
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_compile_option_runs_inductors_code_matching_eager_values_and_gradients_without_recompiling():
+    torch._dynamo.reset()
+    eager, module = Mamba2Module(CONFIG, seed=6), Mamba2Module(CONFIG, seed=6, compile=True)
+    x = _x(2, 10, 16)
+    for m in (eager, module):
+        _probe(m(x)).backward()
+    torch.testing.assert_close(module(x), eager(x), rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), module.parameters()):
+        assert rel_err(q.grad.numpy(), p.grad.numpy()) < 1e-4, name  # inductor fuses: sums in another order
+    counters = torch._dynamo.utils.counters
+    frames = counters["stats"]["unique_graphs"]
+    module(_x(2, 10, 16))  # the same shape again: the compiled graph is reused
+    assert counters["stats"]["unique_graphs"] == frames
+
+
 def test_lm_module_compiles_as_one_graph():
     torch._dynamo.reset()
     module = Mamba2LMModule(LM_CONFIG, seed=1)

@@ -71,7 +71,8 @@ def without_fast_ops(fn: Callable[[], Any], backend: str) -> Callable[[], Any]:
 def forward_fn(backend: str, config: Mamba2Config, params: dict[str, Any], x: Any,
                train: bool) -> Callable[[], Any]:
     """A no-argument call running one forward (``train``: forward + backward) on ``backend``;
-    ``"numpy-ref"`` is numpy without its native fast paths."""
+    ``"numpy-ref"`` is numpy without its native fast paths, ``"torch-compile"`` torch through
+    ``torch.compile`` (what ``Mamba2Module(compile=True)`` runs)."""
     from ..model import forward
 
     if backend == "numpy":
@@ -87,11 +88,14 @@ def forward_fn(backend: str, config: Mamba2Config, params: dict[str, Any], x: An
     import torch
 
     xt = torch.from_numpy(x)
-    if backend == "torch":
+    if backend in ("torch", "torch-compile"):
+        from ..backends.torch import compiled
+
         leaves = {k: torch.from_numpy(v).requires_grad_(train) for k, v in params.items()}
+        run = compiled(forward) if backend == "torch-compile" else forward
 
         def call() -> Any:
-            return forward(xt, leaves, config=config)
+            return run(xt, leaves, config=config)
     else:
         model = transformers_model(config, params).train(train)
         leaves = dict(model.named_parameters())

@@ -50,10 +50,11 @@ from .calls import (
     weight_bytes,
 )
 from .llama import CONVERT_ENV, ROWS, LlamaCpp, greedy, prefill_calls, thread_count, unavailable
+from .peak import fresh_peak_mib
 from .report import Case, Row, proc_kib, write_results
 
 PARTS = ("forward", "train", "prefill", "decode", "scaling")
-BACKENDS = ("numpy", "numpy-ref", "torch", "jax", "transformers", *QUANTIZED_DECODE)
+BACKENDS = ("numpy", "numpy-ref", "torch", "torch-compile", "jax", "transformers", *QUANTIZED_DECODE)
 SEED = Mamba2Config(d_model=256, n_layer=2, expand=4, d_state=16, headdim=64)
 LAYER_130M = Mamba2Config(d_model=768, n_layer=1, d_state=128, headdim=64, expand=2)
 LM_130M = replace(LAYER_130M, n_layer=24, vocab_size=50288)  # a multiple of 16, as llama.cpp needs
@@ -167,12 +168,14 @@ def _inputs(case: Case) -> Any:
 
 def _applies(case: Case, backend: str) -> bool:
     """numpy-ref (numpy without its fast paths) runs forward rows only, the low-precision rows
-    (``QUANTIZED_DECODE``) decode rows only; training runs on torch (portable_ssm) and transformers
-    only; prefill and decode on the others."""
+    (``QUANTIZED_DECODE``) decode rows only, torch-compile forward and training rows; training runs
+    on torch (portable_ssm, eager or compiled) and transformers only; prefill and decode on the others."""
     if backend == "numpy-ref":
         return case.part == "forward"
     if backend in QUANTIZED_DECODE:
         return case.part == "decode"
+    if backend == "torch-compile":
+        return case.part in ("forward", "train")
     if case.part in ("prefill", "decode"):
         return True
     return case.part == "forward" or backend in ("torch", "transformers")
@@ -340,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"folder for RESULTS.md and scaling.png (default ./{DEFAULT_OUT}; the committed "
                              "results are written only with an explicit --out benchmarks)")
+    parser.add_argument("--fresh-peak", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure each row's peak memory in a fresh process (VmHWM; default: on, "
+                             "off with --quick)")
     parser.add_argument("--overwrite", action="store_true",
                         help="let a --quick run replace (or --append to) a full run's RESULTS.md")
     parser.add_argument("--append", action="store_true",
@@ -381,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.clock == "cpu":
         notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
     rows: list[Row] = []
+    fresh = not args.quick if args.fresh_peak is None else args.fresh_peak
+    if fresh:
+        notes.append("peak MiB from fresh processes (python -m portable_ssm.bench.peak, one per row and call)")
     with contextlib.ExitStack() as stack:
         llama = _llama(args, parts, notes, stack)
         for group in _progress(groups(cases(parts, args.quick, args.max_len))):
@@ -388,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
                               sample_s=0.05 if args.quick else 1.0, llama=llama,
                               threads=thread_count(args.threads),
                               bandwidth_gib=1 / 16 if args.quick else 1.0)
+    for row in _progress([r for r in rows if r.backend in BACKENDS]) if fresh else []:  # not llama.cpp's
+        row.fresh = fresh_peak_mib(row.case, row.backend)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print(f"wrote {write_results(rows, out, notes, append=args.append)}")
     return 0
