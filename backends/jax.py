@@ -82,14 +82,16 @@ jax.tree_util.register_pytree_node(
 TRACES: Counter[str] = Counter()
 
 
-def jit(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``jax.jit(fn)``, counting its traces under ``name`` in :data:`TRACES` (generation's decode step)."""
+def jit(fn: Callable[..., Any], name: str, donate: tuple[int, ...] = ()) -> Callable[..., Any]:
+    """``jax.jit(fn)``, counting its traces under ``name`` in :data:`TRACES` (generation's decode
+    step); the positional arguments in ``donate`` give their buffers to the outputs (a decode step's
+    state: XLA updates it where it lies instead of allocating a new one per token)."""
 
     def traced(*args: Any) -> Any:
         TRACES[name] += 1
         return fn(*args)
 
-    return jax.jit(traced)
+    return jax.jit(traced, donate_argnums=donate)
 
 
 FAST_OPS: dict[str, Any] = {"pass_states": pass_states, "jit": jit}

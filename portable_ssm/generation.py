@@ -135,10 +135,12 @@ def _keep_finished(old: Mamba2State, new: Mamba2State, active: Array, *, xp: Nam
                        ssm=tuple(xp.where(active[:, None, None, None], n, o) for o, n in zip(old.ssm, new.ssm)))
 
 
-def _compiled(run: Callable[..., Any], name: str, *, xp: Namespace) -> Callable[..., Any]:
-    """``run`` compiled where the backend has ``fast_op(xp, "jit")`` (JAX), else itself."""
+def _compiled(run: Callable[..., Any], name: str, *, xp: Namespace,
+              donate: tuple[int, ...] = ()) -> Callable[..., Any]:
+    """``run`` compiled where the backend has ``fast_op(xp, "jit")`` (JAX), else itself; the
+    arguments at ``donate`` are not read after the call, so their buffers may hold its outputs."""
     compile_fn = fast_op(xp, "jit")
-    return run if compile_fn is None else compile_fn(run, name)
+    return run if compile_fn is None else compile_fn(run, name, donate)
 
 
 @lru_cache(maxsize=8)
@@ -152,15 +154,17 @@ def _prefiller(config: Mamba2Config, xp: Namespace) -> Callable[..., tuple[Array
 
 
 @lru_cache(maxsize=8)
-def _decoder(config: Mamba2Config, xp: Namespace) -> Callable[..., tuple[Array, Mamba2State]]:
+def _decoder(config: Mamba2Config, xp: Namespace,
+             donate_state: bool = False) -> Callable[..., tuple[Array, Mamba2State]]:
     """``(token [b], state, active [b] or None, params) -> (logits [b, rows], state)``: one decode
-    step, the inactive rows' state kept."""
+    step, the inactive rows' state kept; ``donate_state``: the state passed in is never read again
+    (no caller holds it), so the step may overwrite it."""
 
     def run(token: Array, state: Mamba2State, active: Array | None, params: Params) -> tuple[Array, Mamba2State]:
         out, new = decode(token, state, params, config=config, xp=xp)
         return out, (new if active is None else _keep_finished(state, new, active, xp=xp))
 
-    return _compiled(run, "decode", xp=xp)
+    return _compiled(run, "decode", xp=xp, donate=(1,) if donate_state else ())
 
 
 def _processed(processor: Callable[[Array, Array], Array], input_ids: Array, generated: list[Array],
@@ -209,7 +213,7 @@ class _Prefill:
         """The new tokens ``[b]`` one at a time, or ``(token, state)`` pairs with ``return_state``."""
         xp, o, ids = self.xp, self.options, self.input_ids
         rng = load("numpy").rng(o.seed) if o.temperature > 0 else None
-        step = _decoder(self.config, xp)
+        step = _decoder(self.config, xp, donate_state=not return_state)  # else each state is handed out
         last, state, seen = self.last, self.state, self.seen
         fill = None if o.fill is None else xp.full((ids.shape[0],), o.fill, dtype=ids.dtype, device=device(ids))
         generated: list[Array] = []
