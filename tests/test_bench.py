@@ -330,6 +330,10 @@ def test_llama_cpp_rows_run_the_same_weights_on_the_tiny_lm(tmp_path):
         decode = _cells(text, f"| tiny-lm | 1 | {name} |")
         assert name != "llama.cpp-f32" or decode[-1] == tokens, decode  # greedy tokens equal transformers'
     assert "| tiny-lm | 8 | llama.cpp-" not in text  # llama.cpp rows decode one sequence
+    # the weights a step reads: the same float32 matrices as portable_ssm's (the head apart, one
+    # embedding row not counted), within the converter's few norm/bias layout differences
+    ours, theirs = (float(_cells(text, f"| tiny-lm | 1 | {name} |")[6]) for name in ("numpy", "llama.cpp-f32"))
+    assert abs(theirs - ours) / ours < 0.05, (ours, theirs)
     assert f"- prefill {bench.QUICK_PREFILL}: best portable_ssm / llama.cpp f32 = " in text
     assert "- decode b=1: best portable_ssm float32 vs llama.cpp-f32 = " in text
 

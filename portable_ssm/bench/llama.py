@@ -95,6 +95,15 @@ def _prompt(ids: Any) -> list[int]:
     return [int(t) for t in ids[0]]
 
 
+def weight_bytes(path: str) -> int:
+    """Bytes of weights one llama.cpp decode step reads from the GGUF file at ``path``: every tensor
+    but the token embedding, of which a step reads one row (the converter writes the head apart
+    as ``output.weight``)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
+
+
 def greedy(model: Any, ids: Any, clock: Clock) -> tuple[list[float], Any]:
     """``DECODE_STEPS + 1`` greedy tokens after the prompt ``ids [1, l]``: step seconds (each one
     ``eval`` of the last token plus the argmax), tokens ``[1, DECODE_STEPS + 1]``."""

@@ -50,6 +50,7 @@ from .calls import (
     weight_bytes,
 )
 from .llama import CONVERT_ENV, ROWS, LlamaCpp, greedy, prefill_calls, thread_count, unavailable
+from .llama import weight_bytes as llama_weight_bytes
 from .peak import fresh_peak_mib
 from .report import Case, Row, proc_kib, write_results
 
@@ -214,7 +215,7 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
                 case = group[0]
                 times, outputs[case, name] = greedy(model, inputs[case], clock)
                 rows.append(Row(case, name, statistics.median(times), len(times), times[0], None,
-                                weight_bytes=os.path.getsize(model.model_path), bandwidth=bandwidth))
+                                weight_bytes=llama_weight_bytes(model.model_path), bandwidth=bandwidth))
         else:
             fns = {(case, b): prefill_fn(b, case.config, params, inputs[case]) if part == "prefill"
                    else forward_fn(b, case.config, params, inputs[case], part == "train") for case, b in pairs}
