@@ -174,10 +174,11 @@ _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
 def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile(fn)``, made once per function, so every module and call shares its compiled
-    graphs (one per shape and set of arguments, as torch.compile guards them)."""
+    """``torch.compile(fn, dynamic=False)``, made once per function, so every module and call shares
+    its compiled graphs: one per shape (the core picks chunk sizes and matmul forms from the shapes,
+    which symbolic shapes cannot decide) and set of arguments, as torch.compile guards them."""
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn)
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
     return _COMPILED[fn]
 
 
