@@ -12,7 +12,7 @@ import portable_ssm
 PACKAGE = pathlib.Path(portable_ssm.__file__).parent
 FRAMEWORKS = {"numpy", "torch", "cupy", "jax", "jaxlib", "array_api_strict"}
 #: Tooling outside the array-API core; these may import frameworks lazily, inside functions.
-TOOLING = {"bench/__init__.py", "bench/calls.py", "bench/report.py", "bench/runner.py", "cli.py", "__main__.py"}
+TOOLING = {"cli.py", "__main__.py"} | {f"bench/{p.name}" for p in (PACKAGE / "bench").glob("*.py")}
 #: The byte format of safetensors files, read into and written from host NumPy arrays (imported
 #: only when a file is read or written).
 HOST_IO = {"io/safetensors.py"}
