@@ -182,8 +182,9 @@ def prefill_fn(backend: str, config: Mamba2Config, params: dict[str, Any], ids: 
 
 
 def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
-            clock: Clock) -> tuple[list[float], Any]:
-    """Greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``: step seconds, tokens.
+            clock: Clock) -> tuple[list[float], Any, int | None]:
+    """Greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``: step seconds, tokens
+    and the weight bytes a step reads (:func:`weight_bytes`; None for transformers).
     portable_ssm rows run :func:`portable_ssm.stream` (arguments checked once, then one unchecked
     decode step per token, as generation runs it; compiled on JAX) and time the gap between
     tokens as they arrive on the host."""
@@ -207,7 +208,7 @@ def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
         with torch.inference_mode():
             out = model.generate(torch.from_numpy(ids), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
                                  use_cache=True, logits_processor=LogitsProcessorList([stamp]))
-        return list(np.diff(stamp.stamps)), host(out[:, ids.shape[1]:])
+        return list(np.diff(stamp.stamps)), host(out[:, ids.shape[1]:]), None
     from ..backends import to_backend
     from ..generation import stream
 
@@ -219,7 +220,7 @@ def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
         for token in stream(to_backend(ids, name), p, config=config, max_new_tokens=DECODE_STEPS + 1):
             tokens.append(host(token))  # on the host: the step is done (JAX dispatches asynchronously)
             stamps.append(clock())
-    return list(np.diff(stamps)), np.stack(tokens, axis=1)
+    return list(np.diff(stamps)), np.stack(tokens, axis=1), weight_bytes(p, config)
 
 
 def sgemm_call(n: int) -> Callable[[], Any]:

@@ -33,14 +33,14 @@ def _case_from(text: str) -> tuple[Case, str]:
     return Case(row["part"], row["name"], Mamba2Config(**fields), row["batch"], row["length"]), row["backend"]
 
 
-def fresh_peak_mib(case: Case, backend: str, env: dict[str, str] | None = None) -> tuple[float, float] | None:
+def fresh_peak_mib(case: Case, backend: str) -> tuple[float, float] | None:
     """``(peak MiB with one call of the row, peak MiB of the same process without it)`` from a
     fresh process, or None where it cannot be measured (no /proc, a failed or timed-out child)."""
     out = []
     for call in (True, False):
         try:
             done = subprocess.run([sys.executable, "-m", __name__, _case_json(case, backend), str(int(call))],
-                                  capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+                                  capture_output=True, text=True, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return None
         lines = done.stdout.split()

@@ -42,12 +42,10 @@ from .calls import (
     Clock,
     bandwidth_call,
     decode,
-    decode_params,
     forward_fn,
     host,
     prefill_fn,
     sgemm_call,
-    weight_bytes,
 )
 from .llama import CONVERT_ENV, ROWS, LlamaCpp, greedy, prefill_calls, thread_count, unavailable
 from .llama import weight_bytes as llama_weight_bytes
@@ -206,9 +204,7 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
             read, nbytes = bandwidth_call(threads, bandwidth_gib)
             bandwidth = nbytes / measure({"read": read}, repeats, clock, sample_s=sample_s)["read"][0] / 1e9
             for case, backend in pairs:
-                times, outputs[case, backend] = decode(backend, case.config, params, inputs[case], clock)
-                weights = None if backend == "transformers" else weight_bytes(decode_params(backend, params),
-                                                                              case.config)
+                times, outputs[case, backend], weights = decode(backend, case.config, params, inputs[case], clock)
                 rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None,
                                 weight_bytes=weights, bandwidth=bandwidth))
             for name, model in models.items():
