@@ -10,7 +10,11 @@ core's parameters as ``nn.Parameter``s under their checkpoint names and call the
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -95,18 +99,82 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 #: Rows up to which :func:`quantized_matmul` runs torch's low-precision kernels on CPU (decode); more
 #: rows (prefill) dequantize and multiply in float32, faster on CPUs without int8 / bf16 dot products.
 CPU_KERNEL_MAX_ROWS = 16
+#: The largest float16: bfloat16 weights up to it repack exactly for fbgemm's float16 kernel.
+_FLOAT16_MAX = 65504.0
+
+
+class PackedWeight:
+    """fbgemm's prepacked copy of a quantized weight (``blob``, for the ``kind``'s kernel) with
+    ``out_features`` rows, registered under an int ``key`` while it lives: compiled graphs reach it
+    through the ``portable_ssm::packed_linear`` op, since torch.compile cannot take the packed
+    object itself as an input."""
+
+    def __init__(self, blob: Any, kind: str, out_features: int) -> None:
+        self.blob, self.kind, self.out_features = blob, kind, out_features
+        self.key = next(_PACKED_KEYS)
+        _PACKED[self.key] = self
+
+
+_PACKED: weakref.WeakValueDictionary[int, PackedWeight] = weakref.WeakValueDictionary()
+_PACKED_KEYS = itertools.count()
+
+
+@torch.library.custom_op("portable_ssm::packed_linear", mutates_args=())
+def packed_linear(rows: torch.Tensor, key: int) -> torch.Tensor:
+    """``rows [m, in] @ W.T -> [m, out]`` (float32) with fbgemm on the :class:`PackedWeight` ``key``."""
+    packed = _PACKED[key]
+    if packed.kind == "int8":
+        return torch.ops.quantized.linear_dynamic(rows.contiguous(), packed.blob, True)
+    return torch.ops.quantized.linear_dynamic_fp16(rows.contiguous(), packed.blob)
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(rows: torch.Tensor, key: int) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], _PACKED[key].out_features))
+
+
+def pack_quantized(weight: Any) -> Any:
+    """``weight`` (a :class:`~portable_ssm.quantized.QuantizedWeight`) with fbgemm's prepacked copy
+    (:class:`PackedWeight`) for :func:`quantized_matmul` where it is on the CPU and fbgemm runs
+    there; itself otherwise, and for a bfloat16 weight beyond float16's range.
+
+    * int8: the per-channel qint8 weight for ``quantized::linear_dynamic``, which also rounds
+      each call's rows to 8 bits (one scale per call, 7-bit range as fbgemm needs on AVX2) and
+      accumulates the products in int32: the dynamic quantization of ``torch.ao``, and what
+      llama.cpp's q8_0 does to activations (in blocks of 32).
+    * bfloat16: float16 for ``quantized::linear_dynamic_fp16`` (float32 rows and sums). Exact:
+      every bfloat16 of magnitude in [2^-14, 65504] is a float16 (8 significant bits in 11); smaller
+      ones round to float16 subnormals, an absolute error under 2^-25.
+    """
+    if weight.data.device.type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
+        return weight
+    if weight.kind == "bfloat16":
+        wide = weight.data.to(torch.float32)
+        if float(wide.abs().max()) > _FLOAT16_MAX:
+            return weight
+        blob = torch.ops.quantized.linear_prepack_fp16(wide, None)
+    else:
+        zero = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated; fbgemm's prepack still takes one
+            warnings.filterwarnings("ignore", "torch.quantize_per_tensor", UserWarning)
+            qweight = torch._make_per_channel_quantized_tensor(weight.data, weight.scale.to(torch.float64), zero, 0)
+        blob = torch.ops.quantized.linear_prepack(qweight, None)
+    return dataclasses.replace(weight, packed=PackedWeight(blob, weight.kind, weight.shape[0]))
 
 
 def quantized_matmul(rows: torch.Tensor, weight: Any) -> torch.Tensor:
     """``rows [m, in]`` (float32) times a :class:`~portable_ssm.quantized.QuantizedWeight` transposed:
     ``[m, out]`` float32 with torch's shipped low-precision kernels, on CPU for ``m <=
-    CPU_KERNEL_MAX_ROWS``: int8 through ``torch._weight_int8pack_mm`` (weight-only int8, per-channel
-    scales), bfloat16 through ``F.linear`` in bfloat16 (also on CUDA at any ``m``; torch's bf16 GEMM
-    rounds the rows and the result to bfloat16 too). Otherwise the core reference (dequantize,
-    float32 matmul)."""
+    CPU_KERNEL_MAX_ROWS``: fbgemm's on the weight's :func:`pack_quantized` copy where it has one
+    (int8 also rounds the rows to 8 bits there), else int8 through ``torch._weight_int8pack_mm``
+    (weight-only, per-channel scales) and bfloat16 through ``F.linear`` in bfloat16 (also on CUDA at
+    any ``m``; torch's bf16 GEMM rounds the rows and the result to bfloat16 too). Otherwise the
+    core reference (dequantize, float32 matmul)."""
     on_cpu = rows.device.type == "cpu"
     if on_cpu and rows.shape[0] > CPU_KERNEL_MAX_ROWS:
         return quantized_matmul_ref(rows, weight, xp=xp)
+    if weight.packed is not None:
+        return packed_linear(rows, weight.packed.key)
     if weight.kind == "bfloat16":
         return F.linear(rows.to(torch.bfloat16), weight.data).to(rows.dtype)
     if on_cpu:
@@ -114,7 +182,14 @@ def quantized_matmul(rows: torch.Tensor, weight: Any) -> torch.Tensor:
     return quantized_matmul_ref(rows, weight, xp=xp)
 
 
-FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "quantized_matmul": quantized_matmul}
+def small_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows [m, in] @ weight.T`` for decode (``m < 16``): while ``torch.compile`` traces a CPU
+    step of one row, a multiply and a sum over ``in``, which inductor generates as one vectorized
+    loop streaming the weight (its external GEMV reads it at about half the memory bandwidth on
+    CPUs where MKL takes a generic path); else ``weight @ rows.T``, as the core computes it."""
+    if rows.shape[0] == 1 and rows.device.type == "cpu" and torch.compiler.is_compiling():
+        return torch.sum(weight * rows, dim=-1)[None]  # [out, in] · [1, in] summed -> [1, out]
+    return torch.matmul(weight, rows.mT).mT  # [out, m] -> [m, out]
 
 
 # --- Training: an nn.Module whose forward is the array-API core (no second implementation) ---
@@ -180,6 +255,34 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn, dynamic=False)
     return _COMPILED[fn]
+
+
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied to row-major strides unless it has them (size-1 axes included)."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    return t if t.stride() == tuple(reversed(strides)) else t.clone(memory_format=torch.contiguous_format)
+
+
+def compile_step(fn: Callable[..., Any], name: str, donate: tuple[int, ...]) -> Callable[..., Any]:
+    """Generation's compiler on request (``compile=True``): :func:`compiled` of the decode step
+    ``name`` ``(token, state, ...)``, its state made row-major first. torch.compile guards strides,
+    so the prefill's state (views into its scan's buffers) and the steps' own would otherwise
+    compile the step twice; once row-major, a step's output feeds the next without a copy.
+    (torch.compile donates no buffers: ``donate`` is not needed.)"""
+    run = compiled(fn)
+
+    def step(token: Any, state: Mamba2State, *rest: Any) -> Any:
+        canonical = Mamba2State(conv=tuple(map(_canonical, state.conv)), ssm=tuple(map(_canonical, state.ssm)))
+        return run(token, canonical, *rest)
+
+    return step
+
+
+FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "compile": compile_step, "pack_quantized": pack_quantized,
+                            "quantized_matmul": quantized_matmul, "small_matmul": small_matmul}
 
 
 class Mamba2Module(nn.Module):
@@ -286,7 +389,9 @@ class Mamba2LMModule(Mamba2Module):
                  **options: Any) -> torch.Tensor | tuple[torch.Tensor, Mamba2State]:
         """``input_ids [b, l]`` -> ``[b, l + new]`` without gradients: the core's cached
         :func:`portable_ssm.generation.generate` on this module's parameters (same options:
-        attention_mask, initial_state, return_state, sampling, stopping)."""
+        attention_mask, initial_state, return_state, sampling, stopping; ``compile`` defaults to
+        the module's: its decode step through ``torch.compile``)."""
+        options.setdefault("compile", self.compile)
         with torch.no_grad():
             return generation.generate(input_ids, self.params(), config=self.config,
                                        max_new_tokens=max_new_tokens, **options)

@@ -32,7 +32,9 @@ turn's tokens.
 
 On JAX the prefill (``lm.prefill``) and the decode step (``lm.decode`` plus the finished rows'
 state merge) are ``jax.jit``-compiled once per shape and config and reused by later calls
-(``portable_ssm.backends.jax.TRACES`` counts their traces); the token choice runs eagerly.
+(``portable_ssm.backends.jax.TRACES`` counts their traces); the token choice runs eagerly. On
+torch, ``compile=True`` runs the decode step through ``torch.compile`` (per batch size; the
+prefill stays eager, as it would compile once per prompt length).
 """
 
 from __future__ import annotations
@@ -42,7 +44,17 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
-from ._array import Array, Namespace, array_backend, compute_dtype, constant, device, dtype_name, namespace
+from ._array import (
+    Array,
+    Namespace,
+    array_backend,
+    backend_name,
+    compute_dtype,
+    constant,
+    device,
+    dtype_name,
+    namespace,
+)
 from ._checks import Shapes
 from .backends import fast_op, load, to_backend
 from .config import Mamba2Config
@@ -135,36 +147,45 @@ def _keep_finished(old: Mamba2State, new: Mamba2State, active: Array, *, xp: Nam
                        ssm=tuple(xp.where(active[:, None, None, None], n, o) for o, n in zip(old.ssm, new.ssm)))
 
 
-def _compiled(run: Callable[..., Any], name: str, *, xp: Namespace,
-              donate: tuple[int, ...] = ()) -> Callable[..., Any]:
-    """``run`` compiled where the backend has ``fast_op(xp, "jit")`` (JAX), else itself; the
-    arguments at ``donate`` are not read after the call, so their buffers may hold its outputs."""
-    compile_fn = fast_op(xp, "jit")
-    return run if compile_fn is None else compile_fn(run, name, donate)
+def _compiler(xp: Namespace, compile: bool | None) -> Callable[..., Any] | None:
+    """The decode step's compiler: the backend's ``fast_op(xp, "jit")`` (JAX: always, unless
+    ``compile=False``) or its ``fast_op(xp, "compile")`` (torch: ``torch.compile``, only with
+    ``compile=True``); None runs the step eagerly. ValueError for ``compile=True`` on a backend
+    with neither."""
+    default, on_request = fast_op(xp, "jit"), fast_op(xp, "compile")
+    if compile and default is None and on_request is None:
+        raise ValueError(f"compile: backend {backend_name(xp)!r} has no compiler (torch and jax have), got True")
+    if compile is False:
+        return None
+    return default or (on_request if compile else None)
 
 
 @lru_cache(maxsize=8)
 def _prefiller(config: Mamba2Config, xp: Namespace) -> Callable[..., tuple[Array, Mamba2State]]:
-    """``(ids [b, l], state or None, pad [b] or None, params) -> (last logits [b, rows], state)``."""
+    """``(ids [b, l], state or None, pad [b] or None, params) -> (last logits [b, rows], state)``,
+    compiled where the backend compiles by default (JAX: once per prompt shape); never with
+    torch.compile, which would compile a graph per prompt length."""
 
     def run(ids: Array, state: Mamba2State | None, pad: Array | None, params: Params) -> tuple[Array, Mamba2State]:
         return prefill(ids, state, pad, params, config=config, xp=xp)
 
-    return _compiled(run, "prefill", xp=xp)
+    jit = fast_op(xp, "jit")
+    return run if jit is None else jit(run, "prefill", ())
 
 
 @lru_cache(maxsize=8)
-def _decoder(config: Mamba2Config, xp: Namespace,
-             donate_state: bool = False) -> Callable[..., tuple[Array, Mamba2State]]:
+def _decoder(config: Mamba2Config, xp: Namespace, donate_state: bool = False,
+             compile: bool | None = None) -> Callable[..., tuple[Array, Mamba2State]]:
     """``(token [b], state, active [b] or None, params) -> (logits [b, rows], state)``: one decode
     step, the inactive rows' state kept; ``donate_state``: the state passed in is never read again
-    (no caller holds it), so the step may overwrite it."""
+    (no caller holds it), so the step may overwrite it; ``compile``: as :func:`_compiler`."""
 
     def run(token: Array, state: Mamba2State, active: Array | None, params: Params) -> tuple[Array, Mamba2State]:
         out, new = decode(token, state, params, config=config, xp=xp)
         return out, (new if active is None else _keep_finished(state, new, active, xp=xp))
 
-    return _compiled(run, "decode", xp=xp, donate=(1,) if donate_state else ())
+    compiler = _compiler(xp, compile)
+    return run if compiler is None else compiler(run, "decode", (1,) if donate_state else ())
 
 
 def _processed(processor: Callable[[Array, Array], Array], input_ids: Array, generated: list[Array],
@@ -213,7 +234,7 @@ class _Prefill:
         """The new tokens ``[b]`` one at a time, or ``(token, state)`` pairs with ``return_state``."""
         xp, o, ids = self.xp, self.options, self.input_ids
         rng = load("numpy").rng(o.seed) if o.temperature > 0 else None
-        step = _decoder(self.config, xp, donate_state=not return_state)  # else each state is handed out
+        step = _decoder(self.config, xp, not return_state, o.compile)  # else each state is handed out
         last, state, seen = self.last, self.state, self.seen
         fill = None if o.fill is None else xp.full((ids.shape[0],), o.fill, dtype=ids.dtype, device=device(ids))
         generated: list[Array] = []
@@ -281,9 +302,12 @@ def generate(input_ids: Array, params: Params, *, config: Mamba2Config, attentio
             ``top_p``, ``seed`` (the host generator of the sampling noise; None: fresh entropy),
             ``repetition_penalty``, ``eos_token_id`` (an int or several), ``pad_token_id``
             (finished rows' filler, default the first eos id), ``stop`` (token id sequences),
-            ``logits_processor`` (``(ids_so_far, scores) -> scores``) and ``vocab_size`` (only ids
-            below it are chosen; default all ``config.padded_vocab_size`` rows). See
-            :mod:`portable_ssm.generation_options`.
+            ``logits_processor`` (``(ids_so_far, scores) -> scores``), ``vocab_size`` (only ids
+            below it are chosen; default all ``config.padded_vocab_size`` rows) and ``compile``
+            (the decode step: None as the backend does by default, ``jax.jit`` on JAX and eager
+            elsewhere; True: on torch through ``torch.compile`` too, whose first step of each
+            batch size compiles, about a minute for a 24-layer model on two cores; False:
+            eager). See :mod:`portable_ssm.generation_options`.
 
     Returns:
         ``[b, l + new]`` ids (``new <= max_new_tokens``: stops once every row finished), or

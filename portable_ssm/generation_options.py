@@ -41,6 +41,7 @@ class Options:
     processor: Callable[[Array, Array], Array] | None
     vocab: int
     seed: int | None
+    compile: bool | None  # the decode step compiled: None as the backend does by default
 
 
 def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> float:
@@ -121,7 +122,7 @@ def check_options(length: int, rows: int, *, max_new_tokens: Any = None, max_len
                   min_new_tokens: Any = None, do_sample: Any = None, temperature: Any = None, top_k: Any = None,
                   top_p: Any = None, repetition_penalty: Any = None, seed: Any = None, eos_token_id: Any = None,
                   pad_token_id: Any = None, stop: Any = None, logits_processor: Any = None,
-                  vocab_size: Any = None) -> Options:
+                  vocab_size: Any = None, compile: Any = None) -> Options:
     """Every option of :func:`portable_ssm.generation.generate` checked, for a prompt of ``length``
     columns and a head of ``rows`` logits."""
     vocab = rows if vocab_size is None else vocab_size
@@ -135,6 +136,8 @@ def check_options(length: int, rows: int, *, max_new_tokens: Any = None, max_len
     if logits_processor is not None and not callable(logits_processor):
         raise TypeError(f"logits_processor: expected a callable (ids_so_far, scores) -> scores, got "
                         f"{type(logits_processor).__name__}")
+    if compile is not None and not isinstance(compile, bool):
+        raise TypeError(f"compile: expected True, False or None (the backend's default), got {type(compile).__name__}")
     eos = check_id_list("eos_token_id", eos_token_id, vocab)
     fill = eos[0] if pad_token_id is None and eos else pad_token_id
     if fill is not None:
@@ -146,7 +149,8 @@ def check_options(length: int, rows: int, *, max_new_tokens: Any = None, max_len
                    min_new=_check_count("min_new_tokens", min_new_tokens) or 0,
                    temperature=_temperature(do_sample, temperature, top_k, top_p), top_k=top_k, top_p=top_p,
                    penalty=None if repetition_penalty in (None, 1, 1.0) else float(repetition_penalty), eos=eos,
-                   fill=fill, stop=stops, processor=logits_processor, vocab=vocab, seed=seed)
+                   fill=fill, stop=stops, processor=logits_processor, vocab=vocab, seed=seed,
+                   compile=compile)
 
 
 def seen_tokens(ids: Array, valid: Array | None, vocab: int, *, xp: Namespace) -> Array:

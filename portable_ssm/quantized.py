@@ -22,7 +22,7 @@ with standard array-API functions and multiplies in float32; backends replace it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._array import Array, Namespace, array_backend, device, dtype_name, namespace
@@ -47,12 +47,17 @@ class QuantizedWeight:
         scale: ``float32 [out]``, the per-row scale of ``"int8"``; None for ``"bfloat16"``.
         kind: ``"int8"`` or ``"bfloat16"``.
         dtype: the dtype the weight computes in (float32): the one activations must have.
+        packed: the backend's kernel-ready copy of ``data``, which its ``quantized_matmul``
+            reads instead (``fast_op(xp, "pack_quantized")`` adds it in :func:`quantize`; torch
+            on CPU: fbgemm's prepacked weight); None where the backend has none. It is held
+            beside ``data``, which the embedding lookup and the reference read.
     """
 
     data: Array
     scale: Array | None
     kind: str
     dtype: Any
+    packed: Any = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -122,7 +127,10 @@ def quantize(params: dict[str, Array], kind: str) -> dict[str, Any]:
         if ".".join(name.split(".")[-2:]) not in QUANTIZED_LEAVES:
             out[name] = value
             continue
-        out[name] = convert(_checked_weight(name, value), xp=namespace(**{f"params[{name!r}]": value}))
+        xp = namespace(**{f"params[{name!r}]": value})
+        weight = convert(_checked_weight(name, value), xp=xp)
+        pack = fast_op(xp, "pack_quantized")
+        out[name] = weight if pack is None else pack(weight)
     return out
 
 

@@ -18,7 +18,7 @@ from portable_ssm.backends.torch import (  # noqa: E402
 )
 
 import portable_ssm as ps  # noqa: E402
-from portable_ssm import lm  # noqa: E402
+from portable_ssm import generation, lm  # noqa: E402
 from portable_ssm.io import load_arrays, load_params, save_arrays, save_params  # noqa: E402
 
 CONFIG = ps.Mamba2Config(d_model=16, n_layer=2, d_state=8, headdim=8, chunk_size=8)
@@ -264,3 +264,56 @@ def test_optimizer_state_round_trip_continues_training_identically(tmp_path):
         assert torch.equal(p, q), name
     with pytest.raises(ValueError, match="'nope/exp_avg' belongs to no parameter"):
         load_optimizer_state(opt_b, b, {"nope/exp_avg": torch.zeros(1)}, loaded_meta)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", ["float32", "int8", "bfloat16"])
+def test_compiled_decode_step_matches_eager_as_one_graph_per_batch_size(kind):
+    torch._dynamo.reset()
+    params = ps.quantize(ps.init_params(LM_CONFIG, seed=3, backend="torch"), kind)
+    ids = _ids(2, 5, seed=4)
+    xp = ps.backends.load("torch").namespace()
+    eager_step = generation._decoder(LM_CONFIG, xp, False, None)
+    compiled_step = generation._decoder(LM_CONFIG, xp, False, True)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch.inference_mode():  # as generation runs (guards tell inference tensors from others)
+        _, state = lm.logits(ids, params, config=LM_CONFIG, return_state=True)
+        for b in (1, 2):  # one row: torch's small_matmul multiplies and sums under compile
+            token, sub = ids[:b, -1].clone(), ps.Mamba2State(conv=tuple(c[:b].clone() for c in state.conv),
+                                                     ssm=tuple(s[:b].clone() for s in state.ssm))
+            want, want_state = eager_step(token, sub, None, params)
+            got, got_state = compiled_step(token, sub, None, params)
+            assert rel_err(got.numpy(), want.numpy()) < 1e-5, b  # the same kernels, sums in another order
+            assert rel_err(got_state.ssm[1].numpy(), want_state.ssm[1].numpy()) < 1e-5, b
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == 2 and not counters["graph_break"], dict(counters["graph_break"])
+        eager = generation.generate(ids, params, config=LM_CONFIG, max_new_tokens=6)
+        compiled = generation.generate(ids, params, config=LM_CONFIG, max_new_tokens=6, compile=True)
+        assert torch.equal(compiled, eager)
+        assert counters["stats"]["unique_graphs"] == graphs  # batch 2 again: its graph is reused
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lm_module_generate_decodes_through_torch_compile_with_compile_true():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, module = Mamba2LMModule(LM_CONFIG, seed=2), Mamba2LMModule(LM_CONFIG, seed=2, compile=True)
+    ids = _ids(1, 4, seed=5)
+    want = eager.generate(ids, max_new_tokens=5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    assert torch.equal(module.generate(ids, max_new_tokens=5), want)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the decode step; prefill stays eager
+    assert torch.equal(module.generate(ids, max_new_tokens=5, compile=False), want)
+
+
+def test_compile_option_is_checked_at_the_door():
+    params = ps.init_params(LM_CONFIG, seed=0)
+    ids = _ids(1, 3).numpy()
+    with pytest.raises(TypeError, match="compile: expected True, False or None"):
+        generation.generate(ids, params, config=LM_CONFIG, max_new_tokens=2, compile="yes")
+    with pytest.raises(ValueError, match="compile: backend 'numpy' has no compiler"):
+        generation.generate(ids, params, config=LM_CONFIG, max_new_tokens=2, compile=True)
+    assert generation.generate(ids, params, config=LM_CONFIG, max_new_tokens=2, compile=False).shape == (1, 5)

@@ -116,7 +116,8 @@ def forward_fn(backend: str, config: Mamba2Config, params: dict[str, Any], x: An
 
 #: Decode rows with low-precision weights: ``backend-kind`` runs ``backend`` on ``quantize(params, kind)``.
 QUANTIZED_DECODE = {"numpy-int8": ("numpy", "int8"), "numpy-bf16": ("numpy", "bfloat16"),
-                    "torch-int8": ("torch", "int8"), "torch-bf16": ("torch", "bfloat16")}
+                    "torch-int8": ("torch", "int8"), "torch-bf16": ("torch", "bfloat16"),
+                    "torch-compile-int8": ("torch", "int8"), "torch-compile-bf16": ("torch", "bfloat16")}
 
 
 def decode_params(backend: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +125,7 @@ def decode_params(backend: str, params: dict[str, Any]) -> dict[str, Any]:
     from ..backends import to_backend
     from ..quantized import quantize
 
-    name, kind = QUANTIZED_DECODE.get(backend, (backend, "float32"))
+    name, kind = QUANTIZED_DECODE.get(backend, ("torch" if backend == "torch-compile" else backend, "float32"))
     return quantize({k: to_backend(v, name) for k, v in params.items()}, kind)
 
 
@@ -186,8 +187,9 @@ def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
     """Greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``: step seconds, tokens
     and the weight bytes a step reads (:func:`weight_bytes`; None for transformers).
     portable_ssm rows run :func:`portable_ssm.stream` (arguments checked once, then one unchecked
-    decode step per token, as generation runs it; compiled on JAX) and time the gap between
-    tokens as they arrive on the host."""
+    decode step per token, as generation runs it; compiled on JAX, and through torch.compile for
+    the ``torch-compile*`` rows, ``compile=True``) and time the gap between tokens as they arrive
+    on the host (a median, which the one compiling step does not move)."""
     import contextlib
 
     import numpy as np
@@ -212,12 +214,13 @@ def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
     from ..backends import to_backend
     from ..generation import stream
 
-    name = QUANTIZED_DECODE.get(backend, (backend,))[0]
+    name = QUANTIZED_DECODE.get(backend, ("torch" if backend == "torch-compile" else backend,))[0]
     p = decode_params(backend, params)
     no_grad = __import__("torch").inference_mode() if name == "torch" else contextlib.nullcontext()
     tokens, stamps = [], []
     with no_grad:
-        for token in stream(to_backend(ids, name), p, config=config, max_new_tokens=DECODE_STEPS + 1):
+        for token in stream(to_backend(ids, name), p, config=config, max_new_tokens=DECODE_STEPS + 1,
+                            compile=True if backend.startswith("torch-compile") else None):
             tokens.append(host(token))  # on the host: the step is done (JAX dispatches asynchronously)
             stamps.append(clock())
     return list(np.diff(stamps)), np.stack(tokens, axis=1), weight_bytes(p, config)

@@ -247,8 +247,9 @@ def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]]) -> lis
 
 #: Issue 14's decode comparisons: the portable_ssm rows of one weight precision, the llama.cpp row
 #: they are held against.
-DECODE_PAIRS = (("float32", PORTABLE, "llama.cpp-f32"), ("8-bit", ("numpy-int8", "torch-int8"), "llama.cpp-q8_0"),
-                ("bfloat16", ("numpy-bf16", "torch-bf16"), "llama.cpp-f16"))
+DECODE_PAIRS = (("float32", PORTABLE, "llama.cpp-f32"),
+                ("8-bit", ("numpy-int8", "torch-int8", "torch-compile-int8"), "llama.cpp-q8_0"),
+                ("bfloat16", ("numpy-bf16", "torch-bf16", "torch-compile-bf16"), "llama.cpp-f16"))
 
 
 def _llama_targets(rows: list[Row]) -> list[str]:

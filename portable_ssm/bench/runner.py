@@ -167,14 +167,14 @@ def _inputs(case: Case) -> Any:
 
 def _applies(case: Case, backend: str) -> bool:
     """numpy-ref (numpy without its fast paths) runs forward rows only, the low-precision rows
-    (``QUANTIZED_DECODE``) decode rows only, torch-compile forward and training rows; training runs
+    (``QUANTIZED_DECODE``) decode rows only, torch-compile forward, training and decode rows; training runs
     on torch (portable_ssm, eager or compiled) and transformers only; prefill and decode on the others."""
     if backend == "numpy-ref":
         return case.part == "forward"
     if backend in QUANTIZED_DECODE:
         return case.part == "decode"
     if backend == "torch-compile":
-        return case.part in ("forward", "train")
+        return case.part in ("forward", "train", "decode")
     if case.part in ("prefill", "decode"):
         return True
     return case.part == "forward" or backend in ("torch", "transformers")
