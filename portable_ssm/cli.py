@@ -31,6 +31,7 @@ from . import __version__
 from .backends import NAMES
 from .io import CheckpointError, load_pretrained
 from .language_model import Mamba2LM
+from .quantized import KINDS
 
 #: Parameter dtypes ``--dtype`` accepts (bfloat16 and float16 need a backend that has them).
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -126,7 +127,8 @@ def _check_device(backend: str, device: str | None) -> None:
 
 def _load(args: argparse.Namespace, path: str) -> Mamba2LM:
     _check_device(args.backend, getattr(args, "device", None))
-    return load_pretrained(path, backend=args.backend, dtype=args.dtype, device=getattr(args, "device", None))
+    return load_pretrained(path, backend=args.backend, dtype=args.dtype, device=getattr(args, "device", None),
+                           weights=getattr(args, "weights", "float32"))
 
 
 def _generate(args: argparse.Namespace, out: TextIO) -> int:
@@ -137,7 +139,8 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
     eos = lm.eos_token_id if args.eos_token_id is None else args.eos_token_id
     start = time.perf_counter()
     tokens = lm.stream([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, seed=args.seed, eos_token_id=None if eos == -1 else eos)
+                       top_p=args.top_p, seed=args.seed, eos_token_id=None if eos == -1 else eos,
+                       compile=True if args.compile else None)
     shown = _write_new(out, decode(ids), "", final=True)
     for token in tokens:
         ids.append(int(token[0]))
@@ -147,7 +150,7 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
     seconds = time.perf_counter() - start
     new = len(ids) - prompt_length
     print(f"[{new} tokens in {seconds:.2f} s, {new / max(seconds, 1e-9):.1f} tokens/s, {lm.backend} "
-          f"{lm.dtype}]", file=sys.stderr)
+          f"{lm.dtype}{'' if args.weights == 'float32' else ' ' + args.weights + ' weights'}]", file=sys.stderr)
     return 0
 
 
@@ -221,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop at this id (default: the checkpoint's eos_token_id; -1: never stop early)")
     _add_backend_args(gen)
     gen.add_argument("--device", default=None, help="device, e.g. cpu or cuda:0 (default: the backend's)")
+    gen.add_argument("--weights", default="float32", choices=KINDS,
+                     help="storage of the projections, embedding and head (default float32; see "
+                          "portable_ssm.quantize)")
+    gen.add_argument("--compile", action="store_true",
+                     help="compile the decode step (torch: torch.compile, about a minute before the first "
+                          "token of a 130m model; jax compiles anyway)")
 
     info = commands.add_parser("info", help="print a checkpoint's config, parameter count and dtype",
                                description="Describe a checkpoint directory or a save_params file.")

@@ -99,6 +99,21 @@ def test_generate_encodes_and_decodes_with_tokenizer_json(model_dir, tmp_path, c
     assert capsys.readouterr().out == tok.decode(want.tolist()) + "\n"
 
 
+@pytest.mark.parametrize("backend, weights, compile", [("numpy", "int8", False), ("numpy", "bfloat16", False),
+                                                      ("torch", "int8", True)])
+def test_generate_weights_and_compile_options_give_the_quantized_models_tokens(model_dir, capsys, backend,
+                                                                               weights, compile):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    argv = ["generate", "--model", str(model_dir), "--prompt", "3 1 4", "--ids", "--max-new-tokens", "4",
+            "--backend", backend, "--weights", weights] + (["--compile"] if compile else [])
+    assert main(argv) == 0
+    lm = load_pretrained(model_dir, backend=backend, weights=weights)
+    want = np.asarray(lm.generate([[3, 1, 4]], 4))[0]
+    out = capsys.readouterr()
+    assert out.out == " ".join(str(i) for i in want) + "\n" and f"{weights} weights]" in out.err
+
+
 def test_info_prints_layout_parameter_count_and_dtype(model_dir, capsys):
     assert main(["info", str(model_dir)]) == 0
     table = {line[:32].strip(): line[33:] for line in capsys.readouterr().out.splitlines()}
