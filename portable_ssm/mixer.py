@@ -33,7 +33,7 @@ def _linear(v: Array, weight: Array | QuantizedWeight, bias: Array | None, *, xp
     rows = xp.reshape(v, (-1, d))  # [prod(lead), in]
     if isinstance(weight, QuantizedWeight):
         out = quantized_matmul(rows, weight, xp=xp)  # [prod(lead), out]
-    elif rows.shape[0] < 16 and (native := fast_op(xp, "small_matmul")) is not None:
+    elif (native := fast_op(xp, "linear")) is not None:
         out = native(rows, weight)  # [prod(lead), out]
     elif rows.shape[0] < 16:  # decode: W @ vᵀ streams the weight row-major, several times faster
         out = xp.matrix_transpose(xp.matmul(weight, xp.matrix_transpose(rows)))  # [prod(lead), out]

@@ -20,12 +20,33 @@ import numpy as np
 
 from portable_ssm import ssd
 
+from .threads import row_ranges, run_all, workers
+
 #: Time steps per tile of the native conv: every tap of a tile stays in cache while it is summed.
 CONV_TILE_STEPS = 32
 #: Rows per tile of the native gated RMSNorm.
 NORM_TILE_ROWS = 32
 #: Heads per pass of the native scan: a block's state and a chunk's decays stay in L2.
 SCAN_HEAD_BLOCK = 12
+#: Tiles a worker of the thread pool (:mod:`.threads`) takes at least: shorter passes run inline.
+PARALLEL_MIN_TILES = 4
+#: Rows of a projection a worker takes at least.
+PARALLEL_MIN_ROWS = 64
+
+
+def linear(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``rows [m, in] @ weight.T -> [m, out]`` for ``portable_ssm.mixer._linear``: decode's rows
+    (under 16) as ``weight @ rows.T`` (streams the weight row-major); more rows split over the
+    thread pool, each worker's share through a one-thread BLAS. The scan, conv and norm then share
+    the cores with no BLAS thread left spinning from the projection (OpenBLAS's idle threads
+    spin for about 0.1 s after a call, and would take a core from every worker)."""
+    m = rows.shape[0]
+    if m < 16:
+        return np.matmul(weight, rows.T).T  # [out, m] -> [m, out]
+    out = np.empty((m, weight.shape[0]), dtype=np.result_type(rows, weight))
+    run_all(lambda part: np.matmul(rows[part[0]:part[1]], weight.T, out=out[part[0]:part[1]]),
+            row_ranges(m, PARALLEL_MIN_ROWS), blas=True)
+    return out
 
 
 def _silu_of_double_(h: np.ndarray, scratch: np.ndarray) -> np.ndarray:
@@ -56,22 +77,28 @@ def _conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, state: np.
         history = np.swapaxes(state[:, :, 1:], 1, 2).astype(x.dtype, copy=False)  # [b, k-1, d]
     taps = np.ascontiguousarray(weight.T)  # [k, d]
     y = np.empty((b, l, d), dtype=dtype)
-    scratch = np.empty((b, min(CONV_TILE_STEPS, l), d), dtype=dtype)
-    for start in range(0, l, CONV_TILE_STEPS):
-        stop = min(start + CONV_TILE_STEPS, l)
-        # the inputs k-1 steps before the tile through its end, [b, k-1+stop-start, d]: read in place,
-        # but the first k-1 steps of the sequence need the history in front of them
-        window = (x[:, start - (k - 1):stop] if start >= k - 1 else
-                  np.concatenate([history[:, start:], x[:, :stop]], axis=1))
-        out, term = y[:, start:stop], scratch[:, :stop - start]
-        np.multiply(window[:, :stop - start], taps[0], out=out)
-        for j in range(1, k):
-            np.multiply(window[:, j:j + stop - start], taps[j], out=term)
-            out += term
-        if bias is not None:
-            out += bias
-        if activate:
-            _silu_of_double_(out, term)
+
+    def tiles(steps: tuple[int, int]) -> None:  # the tiles from steps[0] to steps[1], one worker
+        scratch = np.empty((b, min(CONV_TILE_STEPS, l), d), dtype=dtype)
+        for start in range(steps[0], steps[1], CONV_TILE_STEPS):
+            stop = min(start + CONV_TILE_STEPS, steps[1])
+            # the inputs k-1 steps before the tile through its end, [b, k-1+stop-start, d]: read in
+            # place, but the first k-1 steps of the sequence need the history in front of them
+            window = (x[:, start - (k - 1):stop] if start >= k - 1 else
+                      np.concatenate([history[:, start:], x[:, :stop]], axis=1))
+            out, term = y[:, start:stop], scratch[:, :stop - start]
+            np.multiply(window[:, :stop - start], taps[0], out=out)
+            for j in range(1, k):
+                np.multiply(window[:, j:j + stop - start], taps[j], out=term)
+                out += term
+            if bias is not None:
+                out += bias
+            if activate:
+                _silu_of_double_(out, term)
+
+    tile_count = -(-l // CONV_TILE_STEPS)
+    run_all(tiles, ((start * CONV_TILE_STEPS, min(stop * CONV_TILE_STEPS, l))
+                    for start, stop in row_ranges(tile_count, PARALLEL_MIN_TILES)))
     last = np.concatenate([history, x[:, max(l - k, 0):]], axis=1)[:, -k:]  # the last k inputs, [b, k, d]
     return y, np.swapaxes(last, 1, 2)  # [b, d, k]
 
@@ -102,29 +129,33 @@ def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, grou
     rows_y = y.reshape(-1, d)  # [rows, d]
     rows_z = None if z is None else z.reshape(-1, d)  # [rows, d]
     out = np.empty(rows_y.shape, dtype=cdtype)
-    scratch = np.empty((min(NORM_TILE_ROWS, len(rows_y)), d), dtype=cdtype)
-    scale = np.empty((len(scratch), groups, 1), dtype=cdtype)
     w = weight.astype(cdtype, copy=False)
-    for start in range(0, len(rows_y), NORM_TILE_ROWS):
-        stop = min(start + NORM_TILE_ROWS, len(rows_y))
-        tile, tmp, s = out[start:stop], scratch[:stop - start], scale[:stop - start]
-        if rows_z is not None:
-            v = _silu_(tile, tmp, rows_z[start:stop])
-            v *= rows_y[start:stop]
-        elif rows_y.dtype == cdtype:
-            v = rows_y[start:stop]  # read in place
-        else:  # norms are taken in the compute dtype
-            v = tile
-            v[...] = rows_y[start:stop]
-        v = v.reshape(stop - start, groups, d // groups)  # [t, g, d/g]
-        # np.vecdot(v, v) as [t, g, 1, d/g] @ [t, g, d/g, 1]: as fast, and vecdot is NumPy >= 2 only
-        np.matmul(v[..., None, :], v[..., :, None], out=s[..., None])
-        s /= d // groups
-        s += eps
-        np.sqrt(s, out=s)
-        np.reciprocal(s, out=s)
-        np.multiply(v, s, out=_view(tile, v.shape))
-        tile *= w
+
+    def tiles(rows: tuple[int, int]) -> None:  # the tiles of rows[0] to rows[1], one worker
+        scratch = np.empty((min(NORM_TILE_ROWS, rows[1] - rows[0]), d), dtype=cdtype)
+        scale = np.empty((len(scratch), groups, 1), dtype=cdtype)
+        for start in range(rows[0], rows[1], NORM_TILE_ROWS):
+            stop = min(start + NORM_TILE_ROWS, rows[1])
+            tile, tmp, s = out[start:stop], scratch[:stop - start], scale[:stop - start]
+            if rows_z is not None:
+                v = _silu_(tile, tmp, rows_z[start:stop])
+                v *= rows_y[start:stop]
+            elif rows_y.dtype == cdtype:
+                v = rows_y[start:stop]  # read in place
+            else:  # norms are taken in the compute dtype
+                v = tile
+                v[...] = rows_y[start:stop]
+            v = v.reshape(stop - start, groups, d // groups)  # [t, g, d/g]
+            # np.vecdot(v, v) as [t, g, 1, d/g] @ [t, g, d/g, 1]: as fast, and vecdot is NumPy >= 2 only
+            np.matmul(v[..., None, :], v[..., :, None], out=s[..., None])
+            s /= d // groups
+            s += eps
+            np.sqrt(s, out=s)
+            np.reciprocal(s, out=s)
+            np.multiply(v, s, out=_view(tile, v.shape))
+            tile *= w
+
+    run_all(tiles, row_ranges(len(rows_y), PARALLEL_MIN_TILES * NORM_TILE_ROWS), blas=True)
     return out.reshape(*lead, d).astype(weight.dtype, copy=False)
 
 
@@ -193,13 +224,16 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     dtype = np.result_type(x, dt, A, B, C, *(() if D is None else (D,)))
     y = np.empty((b, l, h, p), dtype=dtype)
     final = np.empty((b, h, p, n), dtype=dtype)
-    for h0, h1 in ((h0, min(h0 + SCAN_HEAD_BLOCK, (k + 1) * r)) for k in range(g)
-                   for h0 in range(k * r, (k + 1) * r, SCAN_HEAD_BLOCK)):  # blocks of heads inside group k
-        heads = slice(h0, h1)
+
+    def scan(heads: slice) -> None:
         final[:, heads] = _scan_heads(
-            x[:, :, heads], dt[:, :, heads], A[heads], B[:, :, h0 // r], C[:, :, h0 // r],
+            x[:, :, heads], dt[:, :, heads], A[heads], B[:, :, heads.start // r], C[:, :, heads.start // r],
             None if D is None else D[heads], None if initial_states is None else initial_states[:, heads],
             Q, y[:, :, heads], dtype)
+
+    block = min(SCAN_HEAD_BLOCK, -(-r // min(workers(), r)))  # every worker gets a block of a group
+    run_all(scan, (slice(h0, min(h0 + block, (k + 1) * r)) for k in range(g)
+                   for h0 in range(k * r, (k + 1) * r, block)), blas=True)  # blocks of heads inside group k
     return y, final
 
 
