@@ -68,7 +68,7 @@ SGEMM, SGEMM_N = "sgemm", 4096
 CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
 #: How long ``--quick`` took, measured once on the project's 2-core VM at load average 20-27
 #: (``time portable-ssm bench --quick [--backends numpy]``; see README, "Benchmarks").
-QUICK_NOTE = "measured: about 160 s with every backend, 14 s with --backends numpy, on a busy 2-core VM"
+QUICK_NOTE = "measured: about 145 s with every backend, 4 s with --backends numpy, on a quiet 2-core VM"
 
 
 def cases(parts: tuple[str, ...], quick: bool, max_len: int | None) -> list[Case]:
