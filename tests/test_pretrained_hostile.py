@@ -187,7 +187,8 @@ def test_malformed_transformers_config_is_a_checkpoint_error_naming_the_key(chec
     ("[" * 100_000 + "]" * 100_000, "config.json: not valid JSON (nested too deep)"),
     ('{"hidden_size": 32,', "config.json: not valid JSON"),
     (b"\xff\xfe{}", "config.json: not valid JSON"),
-], ids=["list", "string", "nested", "truncated", "not-utf8"])
+    ('{"hidden_size": 32, "hidden_size": 64}', "config.json: not valid JSON (the key 'hidden_size' appears twice)"),
+], ids=["list", "string", "nested", "truncated", "not-utf8", "repeated-key"])
 def test_config_json_that_is_no_json_object_is_a_checkpoint_error(checkpoint, text, fragment):
     path = checkpoint / "config.json"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -284,7 +285,8 @@ def test_int8_weights_in_a_save_params_file_are_a_checkpoint_error_naming_the_te
     (dict(eos_token_id="[0, 99]"), "metadata: eos_token_id: expected None or an int in [0, 50)"),
     (dict(vocab_size="50.0"), "metadata 'vocab_size': expected an int, got 50.0"),
     (dict(vocab_size="{"), "metadata 'vocab_size' is not valid JSON"),
-], ids=["eos-string", "eos-nested", "eos-outside-vocab", "vocab-float", "vocab-truncated"])
+    (dict(eos_token_id="NaN"), "metadata 'eos_token_id' is not valid JSON (NaN is not a JSON number)"),
+], ids=["eos-string", "eos-nested", "eos-outside-vocab", "vocab-float", "vocab-truncated", "eos-nan"])
 def test_malformed_save_params_metadata_is_a_checkpoint_error_naming_the_key(tmp_path, meta, fragment):
     config = ps.Mamba2Config(d_model=16, n_layer=1, d_state=8, headdim=8, vocab_size=50, pad_vocab_size_multiple=1)
     ps.save_params(tmp_path / "lm.safetensors", ps.init_params(config), config, metadata=meta)

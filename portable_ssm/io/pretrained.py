@@ -22,7 +22,6 @@ quirk is fixed in :func:`portable_ssm.io.layouts.sanitize`.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
@@ -34,7 +33,7 @@ from .checkpoint import load_params
 from .errors import CheckpointError
 from .generation_config import read_generation_config
 from .layouts import Tensors, config_fields, eos_token_ids, minimum_bytes, sanitize, shown
-from .strict_json import read_file
+from .strict_json import loads, read_file
 
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -157,10 +156,7 @@ def _metadata_json(path: str, meta: dict[str, str], key: str) -> Any:
     """A metadata entry :meth:`Mamba2LM.save` wrote as JSON (None when absent)."""
     if key not in meta:
         return None
-    try:
-        return json.loads(meta[key])
-    except (json.JSONDecodeError, TypeError, RecursionError) as err:
-        raise CheckpointError(f"{path}: metadata {key!r} is not valid JSON ({type(err).__name__})") from None
+    return loads(meta[key], f"{path}: metadata {key!r}")
 
 
 def _load_file(path: str, backend: str, dtype: str | None, device: Any) -> Mamba2LM:

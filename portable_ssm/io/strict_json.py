@@ -51,14 +51,15 @@ def loads(text: str | bytes, where: str) -> Any:
 def read_file(path: str) -> Any:
     """The JSON document in the file at ``path`` (config.json, shard indexes, generation_config.json):
     Python's JSON, NaN and Infinity included (transformers writes ``[0.0, Infinity]``); CheckpointError
-    naming the file when it is not one (too big, not UTF-8, malformed or nested too deep)."""
+    naming the file when it is not one (too big, not UTF-8, malformed, a key twice in one object,
+    or nested too deep)."""
     if os.path.getsize(path) > _JSON_LIMIT:
         raise CheckpointError(f"{path}: {os.path.getsize(path)} bytes, more than the {_JSON_LIMIT} a JSON "
                               f"file of a checkpoint may hold")
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+            return json.load(f, object_pairs_hook=_unique)
     except RecursionError:
         raise CheckpointError(f"{path}: not valid JSON (nested too deep)") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError and a repeated key are ValueErrors
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
