@@ -182,17 +182,15 @@ def quantized_matmul(rows: torch.Tensor, weight: Any) -> torch.Tensor:
     return quantized_matmul_ref(rows, weight, xp=xp)
 
 
-def linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``rows [m, in] @ weight.T -> [m, out]``, as the core computes it (``weight @ rows.T`` for
-    decode's ``m < 16``), except while ``torch.compile`` traces a CPU step of one row: a multiply
-    and a sum over ``in``, which inductor generates as one vectorized loop streaming the weight
-    (its external GEMV reads it at about half the memory bandwidth on CPUs where MKL takes a
-    generic path)."""
+def decode_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``rows [m, in] @ weight.T -> [m, out]`` for decode's ``m < 16``: ``weight @ rows.T`` as the
+    core computes it, except while ``torch.compile`` traces a CPU step of one row: a multiply and a
+    sum over ``in``, which inductor generates as one vectorized loop streaming the weight (its
+    external GEMV reads it at about half the memory bandwidth on CPUs where MKL takes a generic
+    path)."""
     if rows.shape[0] == 1 and rows.device.type == "cpu" and torch.compiler.is_compiling():
         return torch.sum(weight * rows, dim=-1)[None]  # [out, in] · [1, in] summed -> [1, out]
-    if rows.shape[0] < 16:
-        return torch.matmul(weight, rows.mT).mT  # [out, m] -> [m, out]
-    return torch.matmul(rows, weight.mT)
+    return torch.matmul(weight, rows.mT).mT  # [out, m] -> [m, out]
 
 
 # --- Training: an nn.Module whose forward is the array-API core (no second implementation) ---
@@ -285,7 +283,7 @@ def compile_step(fn: Callable[..., Any], name: str, donate: tuple[int, ...]) -> 
 
 
 FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "compile": compile_step, "pack_quantized": pack_quantized,
-                            "quantized_matmul": quantized_matmul, "linear": linear}
+                            "quantized_matmul": quantized_matmul, "decode_linear": decode_linear}
 
 
 class Mamba2Module(nn.Module):

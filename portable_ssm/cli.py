@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="storage of the projections, embedding and head (default float32; see "
                           "portable_ssm.quantize)")
     gen.add_argument("--compile", action="store_true",
-                     help="compile the decode step (torch: torch.compile, about a minute before the first "
+                     help="compile the decode step (torch: torch.compile, about 35 s before the first "
                           "token of a 130m model; jax compiles anyway)")
 
     info = commands.add_parser("info", help="print a checkpoint's config, parameter count and dtype",

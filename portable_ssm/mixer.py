@@ -33,12 +33,13 @@ def _linear(v: Array, weight: Array | QuantizedWeight, bias: Array | None, *, xp
     rows = xp.reshape(v, (-1, d))  # [prod(lead), in]
     if isinstance(weight, QuantizedWeight):
         out = quantized_matmul(rows, weight, xp=xp)  # [prod(lead), out]
-    elif (native := fast_op(xp, "linear")) is not None:
-        out = native(rows, weight)  # [prod(lead), out]
     elif rows.shape[0] < 16:  # decode: W @ vᵀ streams the weight row-major, several times faster
-        out = xp.matrix_transpose(xp.matmul(weight, xp.matrix_transpose(rows)))  # [prod(lead), out]
+        native = fast_op(xp, "decode_linear")
+        out = (xp.matrix_transpose(xp.matmul(weight, xp.matrix_transpose(rows))) if native is None
+               else native(rows, weight))  # [prod(lead), out]
     else:
-        out = xp.matmul(rows, xp.matrix_transpose(weight))  # [prod(lead), out]
+        native = fast_op(xp, "linear")
+        out = xp.matmul(rows, xp.matrix_transpose(weight)) if native is None else native(rows, weight)
     if bias is not None:
         out = out + bias
     return xp.reshape(out, (*lead, weight.shape[0]))  # [..., out]

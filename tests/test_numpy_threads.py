@@ -67,7 +67,7 @@ def test_the_blas_is_held_at_one_thread_only_inside_and_restored_after():
 
 
 @pytest.mark.parametrize("m", [3, 15, 16, 300])
-def test_linear_equals_the_matmul_for_decode_rows_and_split_prefill_rows(workers, m):
+def test_linear_equals_the_matmul_for_one_range_and_split_rows(workers, m):
     rows = _rng(1).standard_normal((m, 48)).astype(np.float32)
     weight = _rng(2).standard_normal((70, 48)).astype(np.float32)
     out = ops.linear(rows, weight)

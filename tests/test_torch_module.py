@@ -280,7 +280,7 @@ def test_compiled_decode_step_matches_eager_as_one_graph_per_batch_size(kind):
     counters.clear()
     with torch.inference_mode():  # as generation runs (guards tell inference tensors from others)
         _, state = lm.logits(ids, params, config=LM_CONFIG, return_state=True)
-        for b in (1, 2):  # one row: torch's small_matmul multiplies and sums under compile
+        for b in (1, 2):  # one row: torch's decode_linear multiplies and sums under compile
             token, sub = ids[:b, -1].clone(), ps.Mamba2State(conv=tuple(c[:b].clone() for c in state.conv),
                                                      ssm=tuple(s[:b].clone() for s in state.ssm))
             want, want_state = eager_step(token, sub, None, params)

@@ -35,14 +35,12 @@ PARALLEL_MIN_ROWS = 64
 
 
 def linear(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """``rows [m, in] @ weight.T -> [m, out]`` for ``portable_ssm.mixer._linear``: decode's rows
-    (under 16) as ``weight @ rows.T`` (streams the weight row-major); more rows split over the
-    thread pool, each worker's share through a one-thread BLAS. The scan, conv and norm then share
-    the cores with no BLAS thread left spinning from the projection (OpenBLAS's idle threads
-    spin for about 0.1 s after a call, and would take a core from every worker)."""
+    """``rows [m, in] @ weight.T -> [m, out]`` for ``portable_ssm.mixer._linear``'s 16 and more rows
+    (a prefill's): the rows split over the thread pool, each worker's share through a one-thread
+    BLAS. The scan, conv and norm then share the cores with no BLAS thread left spinning from the
+    projection (OpenBLAS's idle threads spin for about 0.1 s after a call, and would take a core
+    from every worker)."""
     m = rows.shape[0]
-    if m < 16:
-        return np.matmul(weight, rows.T).T  # [out, m] -> [m, out]
     out = np.empty((m, weight.shape[0]), dtype=np.result_type(rows, weight))
     run_all(lambda part: np.matmul(rows[part[0]:part[1]], weight.T, out=out[part[0]:part[1]]),
             row_ranges(m, PARALLEL_MIN_ROWS), blas=True)

@@ -120,12 +120,18 @@ QUANTIZED_DECODE = {"numpy-int8": ("numpy", "int8"), "numpy-bf16": ("numpy", "bf
                     "torch-compile-int8": ("torch", "int8"), "torch-compile-bf16": ("torch", "bfloat16")}
 
 
+def decode_target(backend: str) -> tuple[str, str]:
+    """``(array library, weight kind)`` a decode row runs: ``QUANTIZED_DECODE``'s, torch for
+    ``torch-compile``, else the row's own backend with float32 weights."""
+    return QUANTIZED_DECODE.get(backend, ("torch" if backend == "torch-compile" else backend, "float32"))
+
+
 def decode_params(backend: str, params: dict[str, Any]) -> dict[str, Any]:
     """``params`` (numpy) on the decode row's backend, quantized for the ``QUANTIZED_DECODE`` rows."""
     from ..backends import to_backend
     from ..quantized import quantize
 
-    name, kind = QUANTIZED_DECODE.get(backend, ("torch" if backend == "torch-compile" else backend, "float32"))
+    name, kind = decode_target(backend)
     return quantize({k: to_backend(v, name) for k, v in params.items()}, kind)
 
 
@@ -214,7 +220,7 @@ def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
     from ..backends import to_backend
     from ..generation import stream
 
-    name = QUANTIZED_DECODE.get(backend, ("torch" if backend == "torch-compile" else backend,))[0]
+    name = decode_target(backend)[0]
     p = decode_params(backend, params)
     no_grad = __import__("torch").inference_mode() if name == "torch" else contextlib.nullcontext()
     tokens, stamps = [], []
