@@ -114,6 +114,27 @@ def test_numpy_fused_conv_silu_agrees_with_the_conv_then_silu(with_state, dtype,
     np.testing.assert_array_equal(x, x_before)
 
 
+def test_numpy_fused_conv_silu_is_silent_and_exact_where_exp_overflows():
+    """NumPy's SiLU is ``y / (1 + exp(-y))``: for y below -88 exp overflows to inf and the result
+    must be SiLU's limit (minus) zero, with no overflow warning, like the reference's."""
+    import warnings
+
+    import array_api_compat.numpy as nxp
+    from portable_ssm.backends import fast_op
+
+    from portable_ssm._array import silu
+
+    x, w, bias = (v.astype("float32") for v in data(40, d=7, k=4, seed=8))
+    x[:, 10:20] = -1e4  # the conv output there is far below -88
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y, _ = fast_op(nxp, "causal_conv1d_silu")(x, w, bias, None)
+    y_ref, _ = causal_conv1d_ref(x, w, bias, None, xp=nxp)
+    want = silu(y_ref, xp=nxp)
+    assert np.isfinite(y).all() and (y_ref < -88).any()
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+
+
 def test_conv_silu_equals_conv_then_silu_on_every_backend(xp):
     from portable_ssm._array import silu
     from portable_ssm.conv import causal_conv1d_silu

@@ -55,3 +55,24 @@ def test_numpy_tiled_norm_agrees_with_the_reference(rows, groups, gated, dtype):
     np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), rtol=rtol, atol=rtol)
     np.testing.assert_array_equal(y, inputs[0])
     np.testing.assert_array_equal(z, inputs[1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_numpy_tiled_norm_gates_very_negative_z_to_zero_without_overflow_warnings(dtype):
+    """NumPy's gate is ``z / (1 + exp(-z))``: exp overflows to inf below -88 (float32) or -709
+    (float64), and the gate must then be SiLU's limit 0, silently, as the reference's."""
+    import warnings
+
+    import array_api_compat.numpy as nxp
+    from portable_ssm.backends import fast_op
+
+    y, z, w = (v.astype(dtype) for v in data(40, 12, seed=3))
+    z[:, ::2] = -1e4  # every other row's gate underflows to (minus) zero
+    z[:, 1::4] = 30.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fast_op(nxp, "gated_rms_norm")(y, z, w, 2, 1e-5)
+    ref = gated_rms_norm_ref(y, z, w, 2, 1e-5, xp=nxp)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=1e-6 if dtype == "float32" else 1e-13, atol=1e-6)
+    np.testing.assert_array_equal(out[:, ::2], 0.0)

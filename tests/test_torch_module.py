@@ -297,6 +297,32 @@ def test_compiled_decode_step_matches_eager_as_one_graph_per_batch_size(kind):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+def test_compiled_one_row_product_streams_the_weight_against_a_stored_row(kind):
+    """Under compile a decode row's producers (here a norm) run once into a buffer; inductor would
+    otherwise recompute them, a square root and a division per element, inside every weight row's
+    loop. The code of the 300-row loop must therefore read the row, not compute it."""
+    from portable_ssm.backends.torch import compiled, decode_linear, quantized_matmul
+    from torch._inductor.utils import run_and_get_code
+
+    weight = ps.quantize({"out_proj.weight": _x(300, 64, seed=1)}, kind)["out_proj.weight"]
+    product = decode_linear if kind == "float32" else quantized_matmul
+
+    def normed_product(x, w):
+        return product(x / torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True)), w)  # [1, 64] @ w.T
+
+    x = _x(1, 64, seed=2)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        got, codes = run_and_get_code(compiled(normed_product), x, weight)
+        want = normed_product(x, weight)
+    assert rel_err(got.numpy(), want.numpy()) < 1e-5
+    kernel = "".join(codes).split("x0<static_cast<int64_t>(300L)")  # the weight rows' loop, then the rest
+    assert len(kernel) == 2 and "sqrt" not in kernel[1].split("'''")[0], "".join(codes)  # to its source's end
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lm_module_generate_decodes_through_torch_compile_with_compile_true():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -47,28 +47,22 @@ def linear(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return out
 
 
-def _silu_of_double_(h: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """``silu(2h)`` in place of ``h``, as ``portable_ssm._array.silu``: ``h + h·tanh(h)``."""
-    np.tanh(h, out=scratch)
-    scratch *= h
-    h += scratch
-    return h
-
-
 def _silu_(v: np.ndarray, scratch: np.ndarray, source: np.ndarray) -> np.ndarray:
-    """SiLU of ``source`` into v, returned."""
-    return _silu_of_double_(np.multiply(source, 0.5, out=v), scratch)
+    """SiLU of ``source`` into ``v`` (which may be ``source``), returned: ``source / (1 + exp(-source))``,
+    which NumPy computes in about half the time of the core's ``h + h·tanh(h)`` (its float32 exp is
+    faster than its tanh). Where ``exp(-source)`` overflows to inf the quotient is -0, SiLU's limit."""
+    with np.errstate(over="ignore"):
+        np.exp(np.negative(source, out=scratch), out=scratch)
+    scratch += 1
+    return np.divide(source, scratch, out=v)
 
 
 def _conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, state: np.ndarray | None,
           activate: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The tiled conv, then SiLU on each tile while it is still in cache when ``activate`` (the taps
-    and bias halved, so the conv gives SiLU's ``h = y/2`` at once: power-of-2 scaling is exact)."""
+    """The tiled conv, then SiLU on each tile while it is still in cache when ``activate``."""
     b, l, d = x.shape
     k = weight.shape[-1]
     dtype = np.result_type(x, weight, *(() if bias is None else (bias,)))
-    if activate:
-        weight, bias = weight * 0.5, None if bias is None else bias * 0.5
     if state is None:
         history = np.zeros((b, k - 1, d), dtype=x.dtype)
     else:
@@ -92,7 +86,7 @@ def _conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, state: np.
             if bias is not None:
                 out += bias
             if activate:
-                _silu_of_double_(out, term)
+                _silu_(out, term, out)
 
     tile_count = -(-l // CONV_TILE_STEPS)
     run_all(tiles, ((start * CONV_TILE_STEPS, min(stop * CONV_TILE_STEPS, l))
