@@ -9,7 +9,8 @@ are imported inside functions only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..config import Mamba2Config
@@ -145,18 +146,20 @@ def weight_bytes(params: dict[str, Any], config: Mamba2Config) -> int:
     return params_nbytes(read)
 
 
-def bandwidth_call(threads: int, gib: float = 1.0) -> tuple[Callable[[], Any], int]:
-    """``(call, bytes)``: one streaming read of a ``gib`` GiB float32 array, split over ``threads``
-    Python threads (``numpy.max`` releases the GIL): the machine's memory bandwidth as a decode
-    step can use it, with the thread count the other rows get."""
+@contextlib.contextmanager
+def bandwidth_call(threads: int, gib: float = 1.0) -> Iterator[tuple[Callable[[], Any], int]]:
+    """A context giving ``(call, bytes)``: one streaming read of a ``gib`` GiB float32 array, split
+    over ``threads`` Python threads (``numpy.max`` releases the GIL): the machine's memory bandwidth
+    as a decode step can use it, with the thread count the other rows get. Leaving it shuts the
+    threads down and frees the array."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
     data = np.ones(int(gib * 2**30) // 4, np.float32)
     parts = np.array_split(data, threads)
-    pool = ThreadPoolExecutor(threads)
-    return (lambda: list(pool.map(np.max, parts))), data.nbytes
+    with ThreadPoolExecutor(threads) as pool:
+        yield (lambda: list(pool.map(np.max, parts))), data.nbytes
 
 
 def prefill_fn(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any) -> Callable[[], Any]:

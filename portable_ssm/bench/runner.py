@@ -201,8 +201,8 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
     rows, outputs = [], {}
     with _llama_models(group, params, llama) as models:
         if part == "decode":
-            read, nbytes = bandwidth_call(threads, bandwidth_gib)
-            bandwidth = nbytes / measure({"read": read}, repeats, clock, sample_s=sample_s)["read"][0] / 1e9
+            with bandwidth_call(threads, bandwidth_gib) as (read, nbytes):
+                bandwidth = nbytes / measure({"read": read}, repeats, clock, sample_s=sample_s)["read"][0] / 1e9
             for case, backend in pairs:
                 times, outputs[case, backend], weights = decode(backend, case.config, params, inputs[case], clock)
                 rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None,
