@@ -40,14 +40,14 @@ def test_the_wheel_marks_the_package_typed_and_ships_its_kernels(wheel):
 
 
 @pytest.mark.slow
-def test_the_wheel_carries_the_apache_licence_and_classifiers(wheel):
+def test_the_wheel_carries_the_apache_licence_and_its_spdx_expression(wheel):
     names = wheel.namelist()
     (licence,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")]
     text = wheel.read(licence).decode()
     assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
     (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
     meta = wheel.read(metadata).decode()
-    for line in ("License: Apache-2.0", "Classifier: License :: OSI Approved :: Apache Software License",
-                 "Classifier: Typing :: Typed", "Keywords: "):
+    for line in ("License-Expression: Apache-2.0", "License-File: LICENSE", "Classifier: Typing :: Typed",
+                 "Keywords: "):
         assert line in meta, line
 
