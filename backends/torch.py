@@ -202,8 +202,10 @@ def _streams_one_row(rows: torch.Tensor) -> bool:
 
 def _materialized(t: torch.Tensor) -> torch.Tensor:
     """``t``, stored as its own buffer in inductor's graph rather than recomputed inline by each
-    consumer: inductor's ``force_stride_order`` prim, registered once ``torch._inductor`` is
-    imported (:func:`compiled` imports it); ``t`` unchanged where the prim is missing."""
+    consumer: inductor's ``force_stride_order`` prim (its module registers it; imported here, while
+    tracing, so any torch.compile of the core gets it); ``t`` unchanged where the prim is missing."""
+    from torch._inductor import inductor_prims  # noqa: F401
+
     force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
     return t if force is None else force(t, t.stride())
 
@@ -288,8 +290,6 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     its compiled graphs: one per shape (the core picks chunk sizes and matmul forms from the shapes,
     which symbolic shapes cannot decide) and set of arguments, as torch.compile guards them."""
     if fn not in _COMPILED:
-        import torch._inductor.inductor_prims  # noqa: F401  (registers the prim _materialized uses)
-
         _COMPILED[fn] = torch.compile(fn, dynamic=False)
     return _COMPILED[fn]
 
