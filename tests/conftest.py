@@ -151,3 +151,16 @@ def assert_close(xp: Backend, actual: Any, expected: np.ndarray, *, rtol: float,
 def tol(dtype: str) -> float:
     """Agreement expected between two exact algorithms in ``dtype``."""
     return {"float64": 1e-10, "float32": 2e-5, "float16": 5e-3, "bfloat16": 3e-2}[dtype]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (README's test command: ``-n 2 --dist worksteal``) every worker starts on
+    its own contiguous share of the run and takes from the tail of another's once done. The ``slow``
+    tests are dealt alternately to the front and the back of the run, so the two longest (the
+    selective-copy trainings of tests/test_examples.py, minutes each) start on different workers
+    instead of one after the other on the same one. Without xdist the order is pytest's."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    rest = [item for item in items if not item.get_closest_marker("slow")]
+    items[:] = slow[0::2] + rest + slow[1::2]
