@@ -169,6 +169,19 @@ def test_save_params_refuses_metadata_that_would_shadow_the_format(tmp_path):
         save_params(tmp_path / "m.safetensors", ps.init_params(CONFIG), CONFIG, metadata={"config": "{}"})
 
 
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+def test_saving_quantized_params_names_the_weight_and_writes_nothing(kind, tmp_path):
+    params = ps.quantize(ps.init_params(CONFIG), kind)
+    with pytest.raises(TypeError, match=rf"params\['embedding.weight'\]: a QuantizedWeight \({kind}, .* "
+                                        r"save the float params and quantize after loading"):
+        save_params(tmp_path / "m.safetensors", params, CONFIG)
+    with pytest.raises(TypeError, match=r"arrays\['w'\]: a QuantizedWeight"):
+        save_arrays(tmp_path / "a.safetensors", {"w": params["layers.0.mixer.in_proj.weight"]})
+    with pytest.raises(TypeError, match=r"arrays\['w'\]: expected an array, got list"):
+        save_arrays(tmp_path / "a.safetensors", {"w": [1.0, 2.0]})
+    assert not list(tmp_path.iterdir())
+
+
 # --- The NumPy safetensors reader/writer (portable_ssm.io.safetensors) ---
 
 NUMERIC = ["float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8", "uint64", "uint32", "uint16"]

@@ -20,10 +20,13 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+import array_api_compat
+
 from .._array import Array, array_backend, dtype_name
 from ..backends import load, to_backend
 from ..config import Mamba2Config
 from ..params import Params, check_params, param_shapes
+from ..quantized import QuantizedWeight
 from .errors import CheckpointError
 from .strict_json import SHORT, loads
 
@@ -43,16 +46,31 @@ def save_arrays(path: str | os.PathLike, arrays: dict[str, Array], *,
 
     The file is written to a fresh temporary file beside ``path``, fsynced and renamed over it:
     readers (and a crash at any moment) see the old file or the new one, never a mix, also when
-    several processes save to ``path`` at once. OSError naming ``path`` when it cannot be written.
+    several processes save to ``path`` at once. OSError naming ``path`` when it cannot be written;
+    TypeError naming the entry for a value that is not a plain array (a quantized weight included).
     """
     from .safetensors import write_safetensors
 
+    _check_storable("arrays", arrays)
     host, narrow = {}, {}
     for key, value in arrays.items():
         host[key] = load(array_backend(value)).to_numpy(value)
         if dtype_name(value.dtype) != host[key].dtype.name:
             narrow[key] = dtype_name(value.dtype)
     write_safetensors(path, host, dict(metadata or {}), narrow=narrow)
+
+
+def _check_storable(name: str, arrays: dict[str, Any]) -> None:
+    """TypeError naming the entry unless every value of ``arrays`` is a plain array: a
+    :class:`~portable_ssm.quantized.QuantizedWeight` (what :func:`portable_ssm.quantize` gives) has no
+    safetensors form here, so checkpoints keep the float weights and quantize after loading."""
+    for key, value in arrays.items():
+        if isinstance(value, QuantizedWeight):
+            raise TypeError(f"{name}[{key!r}]: a QuantizedWeight ({value.kind}, from portable_ssm.quantize) cannot be "
+                            "saved; save the float params and quantize after loading (portable_ssm.quantize, or "
+                            "load_pretrained(..., weights=...))")
+        if not array_api_compat.is_array_api_obj(value):
+            raise TypeError(f"{name}[{key!r}]: expected an array, got {type(value).__name__}")
 
 
 def load_arrays(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
@@ -132,6 +150,7 @@ def save_params(path: str | os.PathLike, params: Params, config: Mamba2Config, *
     ``metadata`` adds string entries (e.g. a training step) next to the config; they come back
     from :func:`load_params` with ``return_metadata=True``.
     """
+    _check_storable("params", params)
     check_params(params, config)
     clash = sorted(set(metadata or {}) & set(_RESERVED))
     if clash:
