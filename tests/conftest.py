@@ -158,8 +158,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     its own contiguous share of the run and takes from the tail of another's once done. The ``slow``
     tests are dealt alternately to the front and the back of the run, so the two longest (the
     selective-copy trainings of tests/test_examples.py, minutes each) start on different workers
-    instead of one after the other on the same one. Without xdist the order is pytest's."""
-    if not getattr(config.option, "numprocesses", None):
+    instead of one after the other on the same one. Every worker collects and orders the run
+    itself (xdist's ``workerinput`` marks a worker); without xdist the order is pytest's."""
+    if not hasattr(config, "workerinput"):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
     rest = [item for item in items if not item.get_closest_marker("slow")]
