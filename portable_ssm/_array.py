@@ -35,6 +35,11 @@ def backend_name(xp: Namespace) -> str:
     return getattr(xp, "__name__", repr(xp))
 
 
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is an array (any object of the array API, a QuantizedWeight included)."""
+    return array_api_compat.is_array_api_obj(x)
+
+
 def array_backend(x: Array) -> str:
     """The short backend name of one array, or its type name when it is not an array."""
     if not array_api_compat.is_array_api_obj(x):

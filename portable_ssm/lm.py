@@ -7,6 +7,7 @@ the backbone and ``lm_head.weight`` (``embedding.weight`` itself when ``tie_embe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -27,7 +28,7 @@ def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
     values are not known yet, are checked when they are concrete)."""
     if not xp.isdtype(ids.dtype, "integral"):
         raise TypeError(f"{name}: expected an integer dtype, got {dtype_name(ids.dtype)}")
-    if ids.size and not is_traced(ids) and (bool(xp.any(ids < 0)) or bool(xp.any(ids >= rows))):
+    if math.prod(ids.shape) and not is_traced(ids) and (bool(xp.any(ids < 0)) or bool(xp.any(ids >= rows))):
         raise ValueError(f"{name}: expected token ids in [0, {rows}), got ids from {int(xp.min(ids))} "
                          f"to {int(xp.max(ids))}")
 

@@ -20,9 +20,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-import array_api_compat
-
-from .._array import Array, array_backend, dtype_name
+from .._array import Array, array_backend, dtype_name, is_array
 from ..backends import load, to_backend
 from ..config import Mamba2Config
 from ..params import Params, check_params, param_shapes
@@ -69,7 +67,7 @@ def _check_storable(name: str, arrays: dict[str, Any]) -> None:
             raise TypeError(f"{name}[{key!r}]: a QuantizedWeight ({value.kind}, from portable_ssm.quantize) cannot be "
                             "saved; save the float params and quantize after loading (portable_ssm.quantize, or "
                             "load_pretrained(..., weights=...))")
-        if not array_api_compat.is_array_api_obj(value):
+        if not is_array(value):
             raise TypeError(f"{name}[{key!r}]: expected an array, got {type(value).__name__}")
 
 
