@@ -42,7 +42,7 @@ def is_array(x: Any) -> bool:
 
 def array_backend(x: Array) -> str:
     """The short backend name of one array, or its type name when it is not an array."""
-    if not array_api_compat.is_array_api_obj(x):
+    if not is_array(x):
         return type(x).__name__
     return backend_name(array_api_compat.array_namespace(x))
 
@@ -57,7 +57,7 @@ _LIBRARY_ARRAYS = (array_api_compat.is_numpy_array, array_api_compat.is_torch_ar
 
 def _is_library_array(value: Any) -> bool:
     """Whether ``value`` is one of the five libraries' own arrays (not a wrapper like QuantizedWeight)."""
-    return any(is_array(value) for is_array in _LIBRARY_ARRAYS) or type(value).__module__.startswith("array_api_strict")
+    return any(check(value) for check in _LIBRARY_ARRAYS) or type(value).__module__.startswith("array_api_strict")
 
 
 def _namespace_of(name: str, value: Any) -> Namespace:
@@ -68,7 +68,7 @@ def _namespace_of(name: str, value: Any) -> Namespace:
     tracing = torch is not None and torch.compiler.is_compiling()
     xp = None if tracing else _NAMESPACE_OF_TYPE.get(type(value))
     if xp is None:
-        if not array_api_compat.is_array_api_obj(value):
+        if not is_array(value):
             raise TypeError(f"{name}: expected an array (numpy, torch, cupy, jax, array_api_strict), "
                             f"got {type(value).__name__}")
         xp = array_api_compat.array_namespace(value)

@@ -47,21 +47,16 @@ def save_arrays(path: str | os.PathLike, arrays: dict[str, Array], *,
     several processes save to ``path`` at once. OSError naming ``path`` when it cannot be written;
     TypeError naming the entry for a value that is not a plain array (a quantized weight included).
     """
-    from .safetensors import write_safetensors
-
-    _check_storable("arrays", arrays)
-    host, narrow = {}, {}
-    for key, value in arrays.items():
-        host[key] = load(array_backend(value)).to_numpy(value)
-        if dtype_name(value.dtype) != host[key].dtype.name:
-            narrow[key] = dtype_name(value.dtype)
-    write_safetensors(path, host, dict(metadata or {}), narrow=narrow)
+    _write(path, arrays, metadata, "arrays")
 
 
-def _check_storable(name: str, arrays: dict[str, Any]) -> None:
-    """TypeError naming the entry unless every value of ``arrays`` is a plain array: a
+def _write(path: str | os.PathLike, arrays: dict[str, Array], metadata: dict[str, str] | None, name: str) -> None:
+    """:func:`save_arrays` for ``arrays`` passed as the argument ``name``: TypeError naming
+    ``name[key]`` unless every value is a plain array. A
     :class:`~portable_ssm.quantized.QuantizedWeight` (what :func:`portable_ssm.quantize` gives) has no
     safetensors form here, so checkpoints keep the float weights and quantize after loading."""
+    from .safetensors import write_safetensors
+
     for key, value in arrays.items():
         if isinstance(value, QuantizedWeight):
             raise TypeError(f"{name}[{key!r}]: a QuantizedWeight ({value.kind}, from portable_ssm.quantize) cannot be "
@@ -69,6 +64,12 @@ def _check_storable(name: str, arrays: dict[str, Any]) -> None:
                             "load_pretrained(..., weights=...))")
         if not is_array(value):
             raise TypeError(f"{name}[{key!r}]: expected an array, got {type(value).__name__}")
+    host, narrow = {}, {}
+    for key, value in arrays.items():
+        host[key] = load(array_backend(value)).to_numpy(value)
+        if dtype_name(value.dtype) != host[key].dtype.name:
+            narrow[key] = dtype_name(value.dtype)
+    write_safetensors(path, host, dict(metadata or {}), narrow=narrow)
 
 
 def load_arrays(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
@@ -148,14 +149,13 @@ def save_params(path: str | os.PathLike, params: Params, config: Mamba2Config, *
     ``metadata`` adds string entries (e.g. a training step) next to the config; they come back
     from :func:`load_params` with ``return_metadata=True``.
     """
-    _check_storable("params", params)
     check_params(params, config)
     clash = sorted(set(metadata or {}) & set(_RESERVED))
     if clash:
         raise ValueError(f"metadata: the keys {clash} are reserved by the checkpoint format")
     first = next(iter(params.values()))
     meta = {"format": FORMAT, "config": json.dumps(config.to_dict()), "dtype": dtype_name(first.dtype)}
-    save_arrays(path, params, metadata={**meta, **(metadata or {})})
+    _write(path, params, {**meta, **(metadata or {})}, "params")
 
 
 def load_params(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
