@@ -13,12 +13,14 @@ Public API:
     load_pretrained, Mamba2LM                pretrained checkpoints (transformers / state-spaces), generation
     save_params, load_params                 safetensors checkpoints in core names (never pickle)
     quantize, QuantizedWeight, params_nbytes int8 / bfloat16 projection, embedding and head weights
+    retain_freed_memory                      keep freed host memory for reuse (glibc; faster CPU calls)
 """
 
 from .backends import to_backend
 from .config import Mamba2Config, default_config
 from .data import Batch, collate, to_padded, unpack
 from .discretize import discretize
+from .host import retain_freed_memory
 from .io import CheckpointError, load_arrays, load_params, load_pretrained, save_arrays, save_params
 from .language_model import Mamba2LM
 from .model import Mamba2State, empty_state, forward, step
@@ -33,6 +35,6 @@ __all__ = [
     "Batch", "CheckpointError", "Mamba2Config", "Mamba2LM", "Mamba2State", "QuantizedWeight", "cast_params",
     "check_params", "choose_chunk_size", "collate", "default_config", "discretize", "empty_state", "forward",
     "init_params", "load_arrays", "load_params", "load_pretrained", "param_shapes", "params_nbytes", "quantize",
-    "save_arrays", "save_params", "selective_scan", "ssd_scan", "ssd_step", "step", "to_backend", "to_padded",
-    "unpack",
+    "retain_freed_memory", "save_arrays", "save_params", "selective_scan", "ssd_scan", "ssd_step", "step",
+    "to_backend", "to_padded", "unpack",
 ]

@@ -12,6 +12,9 @@ package) when there is one and ``--ids`` is not given, and reads it as integer i
 otherwise; it streams the text to stdout as tokens come and a timing line to stderr. On the
 default numpy backend with a safetensors checkpoint it imports neither torch nor transformers.
 
+Every command first keeps freed memory in the process for reuse
+(:func:`portable_ssm.host.retain_freed_memory`; ``PORTABLE_SSM_RETAIN_MEMORY=0`` turns that off).
+
 Every command reports a bad input (CheckpointError, ValueError, TypeError, ImportError, OSError)
 as one ``portable-ssm COMMAND: error: ...`` line on stderr, with the install command when a
 package is missing, and exits with status 2 (as argparse does for a bad option).
@@ -29,6 +32,7 @@ from typing import Any, NoReturn, TextIO
 
 from . import __version__
 from .backends import NAMES
+from .host import retain_unless_disabled
 from .io import CheckpointError, load_pretrained
 from .language_model import Mamba2LM
 from .quantized import KINDS
@@ -277,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         action = {"generate": _generate, "info": _info, "convert": _convert}[command]
         run = lambda: action(args, sys.stdout)  # noqa: E731
     try:
+        retain_unless_disabled()
         return run()
     except (CheckpointError, OSError, ValueError, TypeError, ImportError) as err:
         print(f"portable-ssm {command}: error: {_message(err)}", file=sys.stderr)

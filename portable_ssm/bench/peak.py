@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 from ..config import Mamba2Config
+from ..host import retain_unless_disabled
 from .report import Case, proc_kib
 
 #: Seconds one measurement may take before it is given up (reported as unknown).
@@ -90,6 +91,7 @@ def _run(case: Case, backend: str, call: bool) -> int | None:
 
 
 def main(argv: list[str]) -> int:
+    retain_unless_disabled()  # as the timing process (portable-ssm bench) does
     case, backend = _case_from(argv[0])
     peak = _run(case, backend, argv[1] == "1")
     if peak is None:

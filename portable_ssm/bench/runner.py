@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Mamba2Config
+from ..host import retain_unless_disabled
 from .calls import (
     DECODE_STEPS,
     PROMPT,
@@ -359,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     out = output_dir(args.out, quick=args.quick, overwrite=args.overwrite)
     notes = [f"command: portable-ssm bench {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()]
     notes += _set_threads(args.threads)
+    notes.append("host memory: freed memory kept in the process for reuse (portable_ssm.retain_freed_memory, "
+                 "glibc mallopt) for every row, transformers' included, and the fresh peak processes; "
+                 "PORTABLE_SSM_RETAIN_MEMORY=0 runs with glibc's default" if retain_unless_disabled() else
+                 "host memory: the C library's default (freed blocks go back to the kernel)")
     import importlib.util
 
     backends = [b for b in wanted if importlib.util.find_spec(b.split("-")[0]) is not None]
