@@ -35,8 +35,8 @@ ENV = "PORTABLE_SSM_RETAIN_MEMORY"
 def _glibc() -> Any:
     """The process's C library if it is glibc (it exports ``gnu_get_libc_version``), else None."""
     try:
-        libc = ctypes.CDLL(None)
-    except OSError:
+        libc = ctypes.CDLL(None)  # the libraries already loaded (Windows has no such handle)
+    except (OSError, TypeError):
         return None
     if not (hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt")):
         return None

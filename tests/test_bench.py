@@ -75,6 +75,29 @@ def test_backends_are_timed_side_by_side_in_rounds():
         name: (3, name) for name in fns}
 
 
+def test_decode_rows_take_their_steps_side_by_side_in_rounds():
+    """Every row's prompt pass first, then rounds of ROUND_STEPS steps of each row in turn and one
+    streaming read, until each has DECODE_STEPS steps; each step is timed on its own."""
+    from portable_ssm.bench.calls import DECODE_STEPS, DecodeRun
+
+    calls = []
+
+    def run(name):
+        def tokens():
+            for i in range(DECODE_STEPS + 1):
+                calls.append(name)
+                yield i
+        return DecodeRun(tokens(), __import__("contextlib").nullcontext, None)
+
+    runs = {"a": run("a"), "b": run("b")}
+    steps, reads = bench.interleaved_decode(runs, lambda: calls.append("read"), clock=lambda: len(calls),
+                                            round_steps=4)
+    rounds = DECODE_STEPS // 4
+    assert calls == ["a", "b", "read"] + (["a"] * 4 + ["b"] * 4 + ["read"]) * rounds
+    assert steps["a"] == ([1] * DECODE_STEPS, list(range(DECODE_STEPS + 1))) and len(reads) == rounds
+    assert reads == [1] * rounds
+
+
 def test_a_sample_of_quick_calls_averages_back_to_back_calls():
     done = []  # a clock that advances 10 ms per call made
     measured = bench.measure({"fast": lambda: done.append(1)}, repeats=2, clock=lambda: 0.01 * len(done),

@@ -2,15 +2,16 @@
 
 :func:`forward_fn` builds a no-argument forward (or forward + backward) on numpy (with or without
 its native fast paths), torch, jax or transformers' pure-torch ``Mamba2Model``; :func:`prefill_fn`
-a language model's prompt pass to the last position's logits; :func:`decode` times greedy decode
-steps; :func:`sgemm_call` is the matrix multiply the machine's rate is measured with. Frameworks
-are imported inside functions only.
+a language model's prompt pass to the last position's logits; :func:`decode_run` a row's greedy
+decode, stepped by the caller (:func:`decode` times one on its own); :func:`sgemm_call` is the
+matrix multiply the machine's rate is measured with. Frameworks are imported inside functions only.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import Mamba2Config
@@ -191,16 +192,52 @@ def prefill_fn(backend: str, config: Mamba2Config, params: dict[str, Any], ids: 
     return lambda: call(x, p)
 
 
-def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
-            clock: Clock) -> tuple[list[float], Any, int | None]:
-    """Greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``: step seconds, tokens
-    and the weight bytes a step reads (:func:`weight_bytes`; None for transformers).
-    portable_ssm rows run :func:`portable_ssm.stream` (arguments checked once, then one unchecked
-    decode step per token, as generation runs it; compiled on JAX, and through torch.compile for
-    the ``torch-compile*`` rows, ``compile=True``) and time the gap between tokens as they arrive
-    on the host (a median, which the one compiling step does not move)."""
-    import contextlib
+@dataclass
+class DecodeRun:
+    """One decode row ready to step: each ``next(tokens)`` is one greedy token on the host
+    (``[b]``; the first after the prompt pass, each later one after one decode step), to be run
+    inside ``context()``; ``weight_bytes`` is what a step reads (None where not counted)."""
 
+    tokens: Iterator[Any]
+    context: Callable[[], contextlib.AbstractContextManager[Any]]
+    weight_bytes: int | None
+
+
+def decode_run(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any) -> DecodeRun:
+    """A portable_ssm row's greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``:
+    :func:`portable_ssm.stream` (arguments checked once, then one unchecked decode step per token,
+    as generation runs it; compiled on JAX, and through torch.compile for the ``torch-compile*``
+    rows, ``compile=True``), under ``torch.inference_mode`` on torch, with the weight bytes a step
+    reads (:func:`weight_bytes`)."""
+    from ..backends import to_backend
+    from ..generation import stream
+
+    name = decode_target(backend)[0]
+    p = decode_params(backend, params)
+    context = __import__("torch").inference_mode if name == "torch" else contextlib.nullcontext
+    tokens = stream(to_backend(ids, name), p, config=config, max_new_tokens=DECODE_STEPS + 1,
+                    compile=True if backend.startswith("torch-compile") else None)
+    # on the host: the step is done (JAX dispatches asynchronously)
+    return DecodeRun((host(token) for token in tokens), context, weight_bytes(p, config))
+
+
+def timed_steps(run: DecodeRun, steps: int, clock: Clock) -> tuple[list[float], list[Any]]:
+    """The next ``steps`` tokens of ``run``, each step timed alone: ``(seconds, tokens)``."""
+    times, tokens = [], []
+    for _ in range(steps):
+        with run.context():
+            start = clock()
+            tokens.append(next(run.tokens))
+            times.append(clock() - start)
+    return times, tokens
+
+
+def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
+           clock: Clock) -> tuple[list[float], Any, int | None]:
+    """Greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]`` on its own: step
+    seconds, tokens and the weight bytes a step reads (None for transformers, whose
+    ``generate(use_cache=True)`` is timed token to token; portable_ssm rows: :func:`decode_run`,
+    the prompt pass untimed, then each step; the one compiling step does not move the median)."""
     import numpy as np
 
     if backend == "transformers":
@@ -220,19 +257,10 @@ def decode(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any,
             out = model.generate(torch.from_numpy(ids), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
                                  use_cache=True, logits_processor=LogitsProcessorList([stamp]))
         return list(np.diff(stamp.stamps)), host(out[:, ids.shape[1]:]), None
-    from ..backends import to_backend
-    from ..generation import stream
-
-    name = decode_target(backend)[0]
-    p = decode_params(backend, params)
-    no_grad = __import__("torch").inference_mode() if name == "torch" else contextlib.nullcontext()
-    tokens, stamps = [], []
-    with no_grad:
-        for token in stream(to_backend(ids, name), p, config=config, max_new_tokens=DECODE_STEPS + 1,
-                            compile=True if backend.startswith("torch-compile") else None):
-            tokens.append(host(token))  # on the host: the step is done (JAX dispatches asynchronously)
-            stamps.append(clock())
-    return list(np.diff(stamps)), np.stack(tokens, axis=1), weight_bytes(p, config)
+    run = decode_run(backend, config, params, ids)
+    first = timed_steps(run, 1, clock)[1]
+    times, rest = timed_steps(run, DECODE_STEPS, clock)
+    return times, np.stack(first + rest, axis=1), run.weight_bytes
 
 
 def sgemm_call(n: int) -> Callable[[], Any]:

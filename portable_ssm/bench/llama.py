@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Mamba2Config
-from .calls import DECODE_STEPS, Clock, transformers_model
+from .calls import DECODE_STEPS, DecodeRun, transformers_model
 
 #: Weight types converted, and the row each gives ("llama.cpp-f32", ...).
 OUTTYPES = ("f32", "f16", "q8_0")
@@ -104,18 +104,23 @@ def weight_bytes(path: str) -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
 
 
-def greedy(model: Any, ids: Any, clock: Clock) -> tuple[list[float], Any]:
-    """``DECODE_STEPS + 1`` greedy tokens after the prompt ``ids [1, l]``: step seconds (each one
-    ``eval`` of the last token plus the argmax), tokens ``[1, DECODE_STEPS + 1]``."""
-    import numpy as np
+def greedy_run(model: Any, ids: Any) -> DecodeRun:
+    """``DECODE_STEPS + 1`` greedy tokens after the prompt ``ids [1, l]`` as a
+    :class:`~portable_ssm.bench.calls.DecodeRun`: the first after one ``eval`` of the prompt, each
+    later one after one ``eval`` of the last token plus the argmax; the weight bytes a step reads
+    (:func:`weight_bytes`)."""
 
-    tokens, times = [int(np.argmax(last_logits(model, _prompt(ids))))], []
-    for _ in range(DECODE_STEPS):
-        start = clock()
-        model.eval([tokens[-1]])
-        tokens.append(int(np.argmax(_logits(model))))
-        times.append(clock() - start)
-    return times, np.asarray([tokens])
+    def tokens() -> Iterator[Any]:
+        import numpy as np
+
+        token = int(np.argmax(last_logits(model, _prompt(ids))))
+        yield np.asarray([token])
+        for _ in range(DECODE_STEPS):
+            model.eval([token])
+            token = int(np.argmax(_logits(model)))
+            yield np.asarray([token])
+
+    return DecodeRun(tokens(), contextlib.nullcontext, weight_bytes(model.model_path))
 
 
 @dataclass

@@ -58,7 +58,7 @@ class Row:
     ratio: float | None = None
     sgemm: float | None = None  # GFLOP/s of the sgemm timed in the same rounds (forward and train)
     weight_bytes: int | None = None  # weights one decode step reads (decode rows of portable_ssm)
-    bandwidth: float | None = None  # GB/s of the streaming read timed before the decode rows
+    bandwidth: float | None = None  # GB/s of the streaming read timed in the decode rows' rounds
     fresh: tuple[float, float] | None = None  # (peak MiB with one call, without it) of a fresh process
 
 

@@ -41,15 +41,17 @@ from .calls import (
     PROMPT,
     QUANTIZED_DECODE,
     Clock,
+    DecodeRun,
     bandwidth_call,
     decode,
+    decode_run,
     forward_fn,
     host,
     prefill_fn,
     sgemm_call,
+    timed_steps,
 )
-from .llama import CONVERT_ENV, ROWS, LlamaCpp, greedy, prefill_calls, thread_count, unavailable
-from .llama import weight_bytes as llama_weight_bytes
+from .llama import CONVERT_ENV, ROWS, LlamaCpp, greedy_run, prefill_calls, thread_count, unavailable
 from .peak import fresh_peak_mib
 from .report import Case, Row, proc_kib, write_results
 
@@ -181,6 +183,31 @@ def _applies(case: Case, backend: str) -> bool:
     return case.part == "forward" or backend in ("torch", "transformers")
 
 
+#: Decode steps each row takes in one turn of :func:`interleaved_decode`'s rounds.
+ROUND_STEPS = 4
+
+
+def interleaved_decode(runs: dict[Any, DecodeRun], read: Callable[[], Any], clock: Clock,
+                       round_steps: int = ROUND_STEPS) -> tuple[dict[Any, tuple[list[float], list[Any]]], list[float]]:
+    """Decode rows side by side: each run's prompt pass and first token in turn (untimed), then
+    rounds in which every run takes ``round_steps`` timed steps in turn and ``read`` (the streaming
+    read) is timed once, until each run has ``DECODE_STEPS`` steps. So the rows' step times, and the
+    bandwidth they are compared with, share the machine's load as the forward rows' do (a compiling
+    first step lands in the first round). Returns ``({run: (step seconds, tokens)}, read seconds)``."""
+    steps = {key: ([], timed_steps(run, 1, clock)[1]) for key, run in runs.items()}
+    read()  # warm-up
+    reads = []
+    for done in range(0, DECODE_STEPS, round_steps):
+        for key, run in runs.items():
+            times, tokens = timed_steps(run, min(round_steps, DECODE_STEPS - done), clock)
+            steps[key][0].extend(times)
+            steps[key][1].extend(tokens)
+        start = clock()
+        read()
+        reads.append(clock() - start)
+    return steps, reads
+
+
 def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock = time.perf_counter,
               sgemm_n: int = SGEMM_N, sample_s: float = 1.0, llama: LlamaCpp | None = None,
               threads: int = 1, bandwidth_gib: float = 1.0) -> list[Row]:
@@ -188,10 +215,11 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
     on the same case) and agreement checks. Forward, training and prefill calls of every case and
     backend (forward and training with an ``[sgemm_n, sgemm_n]`` sgemm) run side by side in the
     same rounds (:func:`measure`), so ratios across backends and across lengths compare calls made
-    under the same machine load; decode steps are timed backend after backend, after the memory
+    under the same machine load; decode steps likewise (:func:`interleaved_decode`), with the memory
     bandwidth (a streaming read on ``threads`` threads, :func:`~portable_ssm.bench.calls.bandwidth_call`)
-    their weight reads are compared with. With ``llama``, prefill and batch-1 decode groups also
-    get the llama.cpp rows (:data:`ROWS`)."""
+    their weight reads are compared with timed in the same rounds; transformers' ``generate`` runs
+    apart, before them. With ``llama``, prefill and batch-1 decode groups also get the llama.cpp
+    rows (:data:`ROWS`)."""
     import numpy as np
 
     from ..params import init_params
@@ -202,17 +230,22 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
     rows, outputs = [], {}
     with _llama_models(group, params, llama) as models:
         if part == "decode":
+            timed = {}
+            for case, backend in [(c, b) for c, b in pairs if b == "transformers"]:  # not steppable
+                times, outputs[case, backend], _ = decode(backend, case.config, params, inputs[case], clock)
+                timed[case, backend] = (times, None)
+            runs = {(case, b): decode_run(b, case.config, params, inputs[case]) for case, b in pairs
+                    if b != "transformers"}
+            runs.update({(group[0], name): greedy_run(model, inputs[group[0]]) for name, model in models.items()})
             with bandwidth_call(threads, bandwidth_gib) as (read, nbytes):
-                bandwidth = nbytes / measure({"read": read}, repeats, clock, sample_s=sample_s)["read"][0] / 1e9
-            for case, backend in pairs:
-                times, outputs[case, backend], weights = decode(backend, case.config, params, inputs[case], clock)
+                steps, reads = interleaved_decode(runs, read, clock)
+            bandwidth = nbytes / statistics.median(reads) / 1e9
+            for key, (times, tokens) in steps.items():
+                outputs[key] = np.stack(tokens, axis=1)
+                timed[key] = (times, runs[key].weight_bytes)
+            for (case, backend), (times, weights) in timed.items():
                 rows.append(Row(case, backend, statistics.median(times), len(times), times[0], None,
                                 weight_bytes=weights, bandwidth=bandwidth))
-            for name, model in models.items():
-                case = group[0]
-                times, outputs[case, name] = greedy(model, inputs[case], clock)
-                rows.append(Row(case, name, statistics.median(times), len(times), times[0], None,
-                                weight_bytes=llama_weight_bytes(model.model_path), bandwidth=bandwidth))
         else:
             fns = {(case, b): prefill_fn(b, case.config, params, inputs[case]) if part == "prefill"
                    else forward_fn(b, case.config, params, inputs[case], part == "train") for case, b in pairs}
@@ -377,11 +410,12 @@ def main(argv: list[str] | None = None) -> int:
               "lasting about 1 s, or one slower call); medians of the samples; % sgemm is against the "
               "sgemm timed in the same rounds, so ratios across backends and lengths share the machine's load",
               "jax rows time `jax.jit(forward)`; their first ms includes the compile",
-              f"decode: {PROMPT}-token prompt, then {DECODE_STEPS} greedy steps timed one by one "
-              "(portable_ssm.stream, the tokens as they reach the host; transformers: "
+              f"decode: {PROMPT}-token prompt, then {DECODE_STEPS} greedy steps timed one by one, the rows "
+              f"side by side: rounds in which each row (llama.cpp's included) takes {ROUND_STEPS} steps in turn "
+              "(portable_ssm.stream, the tokens as they reach the host; transformers apart, before them: "
               "generate(use_cache=True)); numpy-int8 etc.: the same weights through portable_ssm.quantize",
               "decode GB/s: the weights one step reads / its median time; % bandwidth: against a streaming "
-              "read of 1 GiB (numpy.max over as many Python threads as --threads) timed before the decode rows",
+              "read of 1 GiB (numpy.max over as many Python threads as --threads) timed once in each round",
               "prefill: b=1, a prompt of random token ids to the last position's logits, timed side by side "
               "in rounds like the forward rows (no sgemm) (portable_ssm.lm.prefill, the pass generate runs; "
               "jax: jax.jit of it; transformers: Mamba2ForCausalLM(ids, logits_to_keep=1, use_cache=False))"]
