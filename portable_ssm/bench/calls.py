@@ -215,10 +215,13 @@ def decode_run(backend: str, config: Mamba2Config, params: dict[str, Any], ids: 
     name = decode_target(backend)[0]
     p = decode_params(backend, params)
     context = __import__("torch").inference_mode if name == "torch" else contextlib.nullcontext
-    tokens = stream(to_backend(ids, name), p, config=config, max_new_tokens=DECODE_STEPS + 1,
-                    compile=True if backend.startswith("torch-compile") else None)
-    # on the host: the step is done (JAX dispatches asynchronously)
-    return DecodeRun((host(token) for token in tokens), context, weight_bytes(p, config))
+
+    def tokens() -> Iterator[Any]:  # stream() checks and prefills when called: inside the first next()'s context
+        for token in stream(to_backend(ids, name), p, config=config, max_new_tokens=DECODE_STEPS + 1,
+                            compile=True if backend.startswith("torch-compile") else None):
+            yield host(token)  # on the host: the step is done (JAX dispatches asynchronously)
+
+    return DecodeRun(tokens(), context, weight_bytes(p, config))
 
 
 def timed_steps(run: DecodeRun, steps: int, clock: Clock) -> tuple[list[float], list[Any]]:
