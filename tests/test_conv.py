@@ -75,6 +75,54 @@ def test_torch_native_conv_agrees_with_the_reference(with_state, dtype):
 
 
 @pytest.mark.parametrize("with_state", [False, True])
+def test_torch_native_conv_silu_agrees_with_the_conv_then_silu(with_state):
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as txp
+    from portable_ssm.backends import fast_op
+
+    from portable_ssm._array import silu
+
+    native = fast_op(txp, "causal_conv1d_silu")
+    assert native is not None
+    x, w, bias = (torch.from_numpy(v) for v in data(33, d=7, k=4, seed=9))
+    state = torch.randn(2, 7, 4, dtype=torch.float64) if with_state else None
+    y, s = native(x, w, bias, state)
+    y_ref, s_ref = causal_conv1d_ref(x, w, bias, state, xp=txp)
+    torch.testing.assert_close(y, silu(y_ref, xp=txp), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+
+
+def test_torch_native_conv_under_autograd_is_the_reference_with_its_gradients():
+    """Where autograd records, the torch conv is the reference's shifted slices (whose backward is
+    elementwise), not conv1d: the same values and gradients, and no convolution in the graph."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as txp
+    from portable_ssm.backends import fast_op
+
+    native = fast_op(txp, "causal_conv1d")
+    x, w, bias = (torch.from_numpy(v).requires_grad_() for v in data(20, d=5, k=4, seed=2))
+    state = torch.randn(2, 5, 4, dtype=torch.float64)
+    y, s = native(x, w, bias, state)
+    y_ref, s_ref = causal_conv1d_ref(x, w, bias, state, xp=txp)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    nodes, stack = set(), [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            stack.extend(next_fn for next_fn, _ in node.next_functions)
+    assert not any("Convolution" in type(node).__name__ for node in nodes)
+    cotangent = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad((y * cotangent).sum() + s.sum(), (x, w, bias))
+    grads_ref = torch.autograd.grad((y_ref * cotangent).sum() + s_ref.sum(), (x, w, bias))
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():  # without autograd: torch's conv1d, the same values
+        y_conv, _ = native(x, w, bias, state)
+    torch.testing.assert_close(y_conv, y_ref.detach(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("l", [1, 31, 32, 75])
 def test_numpy_tiled_conv_agrees_with_the_reference(with_state, dtype, l):

@@ -76,3 +76,26 @@ def test_numpy_tiled_norm_gates_very_negative_z_to_zero_without_overflow_warning
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, rtol=1e-6 if dtype == "float32" else 1e-13, atol=1e-6)
     np.testing.assert_array_equal(out[:, ::2], 0.0)
+
+
+@pytest.mark.parametrize(("groups", "gated"), [(1, True), (3, True), (1, False)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_torch_native_norm_agrees_with_the_reference_in_value_and_gradient(groups, gated, dtype):
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as txp
+    from portable_ssm.backends import fast_op
+
+    native = fast_op(txp, "gated_rms_norm")
+    assert native is not None
+    y, z, w = (torch.from_numpy(v).to(getattr(torch, dtype)).requires_grad_() for v in data(7, 12, seed=groups))
+    zz = z if gated else None
+    out, ref = native(y, zz, w, groups, 1e-5), gated_rms_norm_ref(y, zz, w, groups, 1e-5, xp=txp)
+    assert out.dtype == ref.dtype == getattr(torch, dtype) and out.shape == ref.shape == (2, 7, 12)
+    rtol = {"bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-13}[dtype]
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=rtol)
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.dtype)
+    leaves = [y, w] + ([z] if gated else [])
+    grads = torch.autograd.grad(out, leaves, cotangent)
+    grads_ref = torch.autograd.grad(ref, leaves, cotangent)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=10 * rtol, atol=10 * rtol)

@@ -284,3 +284,44 @@ def test_numpy_native_scan_hands_packed_rows_to_the_reference(monkeypatch):
     assert len(calls) == 1 and calls[0] is seq_idx
     np.testing.assert_array_equal(y, y_ref)
     np.testing.assert_array_equal(final, final_ref)
+
+
+@pytest.mark.parametrize(("l", "Q", "g", "initial"), [(45, 7, 3, True), (130, None, 1, False)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_torch_cpu_inference_scan_is_numpys_native_scan_on_views(l, Q, g, initial, dtype, monkeypatch):
+    """CPU tensors outside autograd take NumPy's chunk loop on zero-copy views (and come back as
+    torch tensors equal to the reference); where autograd records, the reference runs, with gradients."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as txp
+    from portable_ssm.backends import fast_op
+    from portable_ssm.backends.numpy import ops as numpy_ops
+
+    from portable_ssm.ssd import ssd_chunked_ref
+
+    native = fast_op(txp, "ssd_chunked")
+    assert native is not None
+    calls = []
+    numpy_scan = numpy_ops.ssd_chunked
+    monkeypatch.setattr(numpy_ops, "ssd_chunked", lambda *a, **kw: calls.append(a[0]) or numpy_scan(*a, **kw))
+    h, p, n = 4 * g, 3, 5
+    host = scan_inputs(l, 2, l, h, p, g, n, with_state=initial)
+    args = {k: None if host[k] is None else torch.from_numpy(host[k]).to(getattr(torch, dtype))
+            for k in ("x", "B", "C", "A", "D", "initial_states")}
+    args["dt"] = torch.from_numpy(np.exp(host["dt"] - 1.0)).to(getattr(torch, dtype))  # Δ > 0
+    order = ("x", "dt", "A", "B", "C")
+    y, final = native(*(args[k] for k in order), Q, args["initial_states"], D=args["D"])
+    y_ref, final_ref = ssd_chunked_ref(**args, chunk_size=Q, xp=txp)
+    assert len(calls) == 1 and np.shares_memory(calls[0], args["x"].numpy())
+    assert isinstance(y, torch.Tensor) and y.dtype == y_ref.dtype == getattr(torch, dtype)
+    assert y.shape == (2, l, h, p) and final.shape == (2, h, p, n)
+    assert rel_err(y.numpy(), y_ref.numpy()) < (1e-5 if dtype == "float32" else 1e-12)
+    assert rel_err(final.numpy(), final_ref.numpy()) < (1e-5 if dtype == "float32" else 1e-12)
+
+    args["x"].requires_grad_()
+    y_grad, _ = native(*(args[k] for k in order), Q, args["initial_states"], D=args["D"])
+    assert len(calls) == 1 and y_grad.requires_grad  # the reference, recorded by autograd
+    (grad,) = torch.autograd.grad(y_grad.sum(), args["x"])
+    assert torch.isfinite(grad).all()
+    with torch.no_grad():  # grad mode off: the native scan again, though x requires grad
+        native(*(args[k] for k in order), Q, args["initial_states"], D=args["D"])
+    assert len(calls) == 2
