@@ -111,7 +111,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``torch.nn.functional.conv1d`` version of ``portable_ssm.conv.causal_conv1d_ref``:
     ``x [b, l, d]``, weight ``[d, k]``, state ``[b, d, k]`` -> ``(y [b, l, d], state [b, d, k])``.
     The reference itself where autograd records: the backward of a depthwise conv1d (mkldnn's on
-    CPU) took 10 ms of a 130 ms training step of a 130m layer at l=512, the shifted slices' 2 ms."""
+    CPU) took 10 ms of a 130 ms training step of a 130m layer at l=512, the shifted slices' 2 ms
+    (a hand-written backward, one more depthwise conv1d for the input's gradient, was slower still)."""
     if _records_grad(x, weight, bias, state):
         return causal_conv1d_ref(x, weight, bias, state, xp=xp)
     b, l, d = x.shape
@@ -133,6 +134,13 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ``h + h·tanh(h)`` takes four and torch's tanh is slower than its sigmoid)."""
     y, new_state = causal_conv1d(x, weight, bias, state)
     return F.silu(y), new_state
+
+
+def split(v: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """``torch.split`` along the last axis, for ``portable_ssm.mixer._split_last``: one backward
+    that concatenates the parts' gradients (each slice's would zero-fill a gradient of v's size:
+    the in_proj output's three took 4% of a 130m layer's training step at l=512)."""
+    return torch.split(v, list(sizes), dim=-1)
 
 
 def gated_rms_norm(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, groups: int,
@@ -392,7 +400,7 @@ def compile_step(fn: Callable[..., Any], name: str, donate: tuple[int, ...]) -> 
 FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "causal_conv1d_silu": causal_conv1d_silu,
                             "compile": compile_step, "decode_linear": decode_linear, "gated_rms_norm": gated_rms_norm,
                             "pack_quantized": pack_quantized, "quantized_matmul": quantized_matmul,
-                            "ssd_chunked": ssd_chunked}
+                            "split": split, "ssd_chunked": ssd_chunked}
 
 
 class Mamba2Module(nn.Module):

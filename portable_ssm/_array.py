@@ -152,6 +152,14 @@ def silu(x: Array, *, xp: Namespace) -> Array:
     return half + half * xp.tanh(half)
 
 
+def row_major(v: Array, *, xp: Namespace) -> Array:
+    """``v`` laid out row-major. The standard has no layouts, but reshaping through one flat axis
+    copies a permuted view in logical order on strided backends, so the [Q, Q] blocks of the scan
+    built from it are contiguous (their matmuls run as BLAS calls instead of strided loops), and a
+    weight's column read as a row broadcasts at full speed."""
+    return xp.reshape(xp.reshape(v, (-1,)), v.shape)  # [...] -> [prod] -> [...]
+
+
 def constant(value: float, like: Array, *, xp: Namespace) -> Array:
     """``value`` as a 0-d array of ``like``'s dtype and device, for ``where``/``maximum`` operands:
     Python scalars there go through array_api_compat's promotion, which ``torch.compile`` with

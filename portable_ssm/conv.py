@@ -11,7 +11,7 @@ incoming state, and the state after each sequence's last step comes back.
 
 from __future__ import annotations
 
-from ._array import Array, Namespace, device, silu
+from ._array import Array, Namespace, device, row_major, silu
 from .backends import fast_op
 from .ssm_inputs import within
 from .varlen import Varlen
@@ -73,9 +73,10 @@ def causal_conv1d_varlen(x: Array, weight: Array, bias: Array | None, states: Ar
 
     steps = xp.arange(l, dtype=varlen.seq.dtype, device=device(x))
     first = xp.take(varlen.first, varlen.seq)  # each step's sequence start, [l]
-    y = read(steps - (k - 1), varlen.seq, first) * weight[:, 0]
+    taps = row_major(xp.permute_dims(weight, (1, 0)), xp=xp)  # [d, k] -> [k, d]: each tap's weights contiguous
+    y = read(steps - (k - 1), varlen.seq, first) * taps[0, ...]
     for j in range(1, k):
-        y = y + read(steps - (k - 1) + j, varlen.seq, first) * weight[:, j]  # [l, d]
+        y = y + read(steps - (k - 1) + j, varlen.seq, first) * taps[j, ...]  # [l, d]
     if bias is not None:
         y = y + bias
     window = varlen.last[:, None] + xp.arange(1 - k, 1, dtype=steps.dtype, device=device(x))  # [n_seq, k]
@@ -108,9 +109,10 @@ def causal_conv1d_ref(x: Array, weight: Array, bias: Array | None, state: Array 
         keep = None if ids is None else (ids[:, j:j + l] == seq_idx)[..., None]  # [b, l, 1]
         return within(padded[:, j:j + l, :], keep, xp=xp)  # [b, l, d]
 
-    y = tap(0) * weight[:, 0]
+    taps = row_major(xp.permute_dims(weight, (1, 0)), xp=xp)  # [d, k] -> [k, d]: each tap's weights contiguous
+    y = tap(0) * taps[0, ...]
     for j in range(1, k):
-        y = y + tap(j) * weight[:, j]  # [b, l, d]
+        y = y + tap(j) * taps[j, ...]  # [b, l, d]
     if bias is not None:
         y = y + bias
     in_last = None if ids is None else (ids[:, l - 1:] == seq_idx[:, -1:])[..., None]  # [b, k, 1]

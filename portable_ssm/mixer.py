@@ -10,6 +10,7 @@ sequence boundary.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from ._array import Array, Namespace, compute_dtype, silu
@@ -45,22 +46,33 @@ def _linear(v: Array, weight: Array | QuantizedWeight, bias: Array | None, *, xp
     return xp.reshape(out, (*lead, weight.shape[0]))  # [..., out]
 
 
-def _split(zxbcdt: Array, c: Mamba2Config) -> tuple[Array | None, Array, Array, Array]:
+def _split_last(v: Array, sizes: tuple[int, ...], *, xp: Namespace) -> tuple[Array, ...]:
+    """``v [..., sum(sizes)]`` cut along its last axis into consecutive parts of ``sizes``: slices,
+    or the backend's ``fast_op(xp, "split")`` (torch's ``split``, whose backward concatenates the
+    parts' gradients where each slice's fills a zero array of v's size)."""
+    native = fast_op(xp, "split")
+    if native is not None:
+        return tuple(native(v, sizes))
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    return tuple(v[..., start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
+
+
+def _split(zxbcdt: Array, c: Mamba2Config, *, xp: Namespace) -> tuple[Array | None, Array, Array, Array]:
     """``[..., d_in_proj] -> mlp [..., 2·d_mlp] (z0 then x0; None without d_ssm), z [..., ssm_dim],
     xBC [..., conv_dim], dt [..., nheads]``: mamba_ssm's order ``[z0, x0, z, xBC, dt]``."""
     m = 2 * c.d_mlp
-    x_at = m + c.ssm_dim
-    dt_at = x_at + c.conv_dim
-    return (zxbcdt[..., :m] if m else None, zxbcdt[..., m:x_at], zxbcdt[..., x_at:dt_at], zxbcdt[..., dt_at:])
+    mlp, z, xBC, dt = _split_last(zxbcdt, (m, c.ssm_dim, c.conv_dim, c.nheads), xp=xp)
+    return mlp if m else None, z, xBC, dt
 
 
 def _split_xbc(xBC: Array, c: Mamba2Config, *, xp: Namespace) -> tuple[Array, Array, Array]:
     """``xBC [..., conv_dim] -> x [..., h, p], B [..., g, n], C [..., g, n]``."""
-    gn, d = c.ngroups * c.d_state, c.ssm_dim
+    gn = c.ngroups * c.d_state
     *lead, _ = xBC.shape
-    x = xp.reshape(xBC[..., :d], (*lead, c.nheads, c.headdim))  # [..., h, p]
-    B = xp.reshape(xBC[..., d:d + gn], (*lead, c.ngroups, c.d_state))  # [..., g, n]
-    C = xp.reshape(xBC[..., d + gn:], (*lead, c.ngroups, c.d_state))  # [..., g, n]
+    x, B, C = _split_last(xBC, (c.ssm_dim, gn, gn), xp=xp)
+    x = xp.reshape(x, (*lead, c.nheads, c.headdim))  # [..., ssm_dim] -> [..., h, p]
+    B = xp.reshape(B, (*lead, c.ngroups, c.d_state))  # [..., g·n] -> [..., g, n]
+    C = xp.reshape(C, (*lead, c.ngroups, c.d_state))  # [..., g·n] -> [..., g, n]
     return x, B, C
 
 
@@ -121,7 +133,7 @@ def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | No
     ``varlen``: one packed row by cu_seqlens (:mod:`portable_ssm.varlen`), the states then
     ``[n_seq, ...]`` in and out, one per sequence; or None."""
     b, l, _ = u.shape
-    mlp, z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
+    mlp, z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c, xp=xp)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
     if pad is None:
         xBC, conv_state = causal_conv1d_silu(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp, seq_idx=seq_idx,
@@ -146,7 +158,7 @@ def mixer_step(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array
                xp: Namespace) -> tuple[Array, Array, Array]:
     """One token through one layer: ``u [b, d_model]`` -> ``(out [b, d_model], conv_state, ssm_state)``."""
     b, _ = u.shape
-    mlp, z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c)
+    mlp, z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c, xp=xp)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
     cdtype = compute_dtype(xp, u.dtype)
     A, D = _ssm_params(p, c, cdtype, xp=xp)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from ._array import Array, Namespace, constant, device
+from ._array import Array, Namespace, constant, device, row_major
 from ._checks import check_bool, check_int
 from .backends import fast_op
 from .ssm_inputs import check_chunk_size, check_scan_inputs, skip_and_gate, within
@@ -184,7 +184,7 @@ def _h_major(state: Array, *, xp: Namespace) -> Array:
     """``[b, g, n, r, p] -> [b, h, p, n]``, laid out row-major: a strided view would make every later
     step's elementwise update walk n with a stride of r·p floats (4x slower decode on NumPy)."""
     b, g, n, r, p = state.shape
-    return _row_major(xp.reshape(xp.permute_dims(state, (0, 1, 3, 4, 2)), (b, g * r, p, n)), xp=xp)
+    return row_major(xp.reshape(xp.permute_dims(state, (0, 1, 3, 4, 2)), (b, g * r, p, n)), xp=xp)
 
 
 def ssd_varlen_ref(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: int | None,
@@ -378,13 +378,6 @@ def _matmul(a: Array, b: Array, *, xp: Namespace) -> Array:
     return xp.reshape(out, (*a.shape[:-2], *out.shape[-2:]))  # [..., m, n]
 
 
-def _row_major(v: Array, *, xp: Namespace) -> Array:
-    """``v`` laid out row-major. The standard has no layouts, but reshaping through one flat axis
-    copies a permuted view in logical order on strided backends, so the [Q, Q] blocks built from it
-    are contiguous and their matmuls run as BLAS calls instead of strided loops."""
-    return xp.reshape(xp.reshape(v, (-1,)), v.shape)  # [...] -> [prod] -> [...]
-
-
 class _Boundaries(NamedTuple):
     """Masks keeping each chunk's terms inside one sequence (all None: one sequence per row)."""
 
@@ -426,13 +419,13 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
 
     X = xp.reshape(x * dt[..., None], (b, c, Q, h, p))  # X = x·Δ, [b, c, Q, h, p]
     a = xp.permute_dims(xp.reshape(dt * A, (b, c, Q, h)), (0, 1, 3, 2))  # a = A·Δ <= 0, [b, c, h, Q]
-    acs = xp.cumulative_sum(_row_major(a, xp=xp), axis=-1)  # [b, c, h, Q]
+    acs = xp.cumulative_sum(row_major(a, xp=xp), axis=-1)  # [b, c, h, Q]
     Bg = xp.permute_dims(xp.reshape(B, (b, c, Q, g, n)), (0, 1, 3, 2, 4))  # [b, c, g, Q, n]
     Cg = xp.permute_dims(xp.reshape(C, (b, c, Q, g, n)), (0, 1, 3, 2, 4))  # [b, c, g, Q, n]
     Xh = xp.permute_dims(X, (0, 1, 3, 2, 4))  # [b, c, h, Q, p]
 
     # 1. diagonal blocks: causal "attention" C Bᵀ ⊙ L inside each chunk
-    Bt = _row_major(xp.matrix_transpose(Bg), xp=xp)  # [b, c, g, n, Q]
+    Bt = row_major(xp.matrix_transpose(Bg), xp=xp)  # [b, c, g, n, Q]
     CB = _matmul(Cg, Bt, xp=xp)  # [b, c, g, Q, Q]
     segsum = stable_segsum(a, xp=xp)  # [b, c, h, Q, Q]
     idx = xp.arange(Q, device=device(x))

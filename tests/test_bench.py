@@ -66,21 +66,26 @@ def test_append_adds_a_run_as_a_section_below_the_first(tmp_path):
     assert "scaling.png" not in appended
 
 
-def test_backends_are_timed_side_by_side_in_rounds():
+def test_backends_are_timed_side_by_side_in_rounds_each_sample_after_a_settle(monkeypatch):
     calls = []
+    monkeypatch.setattr(bench.time, "sleep", lambda s: calls.append(("idle", s)))
     fns = {name: (lambda name=name: calls.append(name) or name) for name in ("numpy", "torch", "sgemm")}
     measured = bench.measure(fns, repeats=3, sample_s=0)
-    assert calls == ["numpy"] * 2 + ["torch"] * 2 + ["sgemm"] * 2 + ["numpy", "torch", "sgemm"] * 3
+    settle = ("idle", bench.SETTLE_S)
+    rounds = [settle, "numpy", settle, "torch", settle, "sgemm"] * 3
+    assert calls == ["numpy"] * 2 + ["torch"] * 2 + ["sgemm"] * 2 + rounds
     assert {name: (runs, out) for name, (_, runs, _, _, out) in measured.items()} == {
         name: (3, name) for name in fns}
 
 
-def test_decode_rows_take_their_steps_side_by_side_in_rounds():
+def test_decode_rows_take_their_steps_side_by_side_in_rounds(monkeypatch):
     """Every row's prompt pass first, then rounds of ROUND_STEPS steps of each row in turn and one
-    streaming read, until each has DECODE_STEPS steps; each step is timed on its own."""
+    streaming read, each turn after a settle, until each has DECODE_STEPS steps; each step is timed
+    on its own."""
     from portable_ssm.bench.calls import DECODE_STEPS, DecodeRun
 
     calls = []
+    monkeypatch.setattr(bench.time, "sleep", lambda s: calls.append("idle") if s == bench.SETTLE_S else None)
 
     def run(name):
         def tokens():
@@ -93,7 +98,7 @@ def test_decode_rows_take_their_steps_side_by_side_in_rounds():
     steps, reads = bench.interleaved_decode(runs, lambda: calls.append("read"), clock=lambda: len(calls),
                                             round_steps=4)
     rounds = DECODE_STEPS // 4
-    assert calls == ["a", "b", "read"] + (["a"] * 4 + ["b"] * 4 + ["read"]) * rounds
+    assert calls == ["a", "b", "read"] + (["idle"] + ["a"] * 4 + ["idle"] + ["b"] * 4 + ["idle", "read"]) * rounds
     assert steps["a"] == ([1] * DECODE_STEPS, list(range(DECODE_STEPS + 1))) and len(reads) == rounds
     assert reads == [1] * rounds
 
@@ -101,7 +106,7 @@ def test_decode_rows_take_their_steps_side_by_side_in_rounds():
 def test_a_sample_of_quick_calls_averages_back_to_back_calls():
     done = []  # a clock that advances 10 ms per call made
     measured = bench.measure({"fast": lambda: done.append(1)}, repeats=2, clock=lambda: 0.01 * len(done),
-                             sample_s=0.05)
+                             sample_s=0.05, settle_s=0)
     median, runs, *_ = measured["fast"]
     assert runs == 2 and median == pytest.approx(0.01)
     assert len(done) == 2 + 2 * 5  # warm-up and calibration, then two samples of five calls
@@ -144,13 +149,13 @@ def test_transformers_runs_the_same_weights_and_sets_the_ratios(one_torch_thread
     pytest.importorskip("transformers")
     seed, _, lm = bench.QUICK
     rows = bench.run_group([bench.Case("forward", "seed", seed, 2, 24)], ["numpy", "transformers"], repeats=2,
-                           sgemm_n=64, sample_s=0.01)
+                           sgemm_n=64, sample_s=0.01, settle_s=0)
     numpy_row = next(r for r in rows if r.backend == "numpy")
     assert all(r.sgemm is not None and r.sgemm > 0 for r in rows)  # timed in the same rounds
     assert float(numpy_row.check) < 1e-5  # portable_ssm's output vs transformers' on the same weights
     assert numpy_row.ratio is not None and numpy_row.ratio > 0
     rows = bench.run_group([bench.Case("decode", "tiny-lm", lm, 2, bench.PROMPT)], ["numpy", "transformers"], 2,
-                           sample_s=0.01, bandwidth_gib=1 / 64)
+                           sample_s=0.01, bandwidth_gib=1 / 64, settle_s=0)
     tokens = 2 * (bench.DECODE_STEPS + 1)
     assert [r.check for r in rows] == [f"{tokens}/{tokens}"] * 2  # greedy tokens agree step by step
 
@@ -159,7 +164,7 @@ def test_decode_rows_report_the_weights_a_step_reads_against_the_bandwidth(one_t
     _, _, lm = bench.QUICK
     case = bench.Case("decode", "tiny-lm", lm, 1, bench.PROMPT)
     rows = {r.backend: r for r in bench.run_group([case], ["numpy", "numpy-int8", "torch-bf16"], 2, sample_s=0.01,
-                                                  bandwidth_gib=1 / 64)}
+                                                  bandwidth_gib=1 / 64, settle_s=0)}
     params = ps.init_params(lm, seed=0)
     assert rows["numpy"].weight_bytes == sum(v.nbytes for v in params.values())  # tied head: embedding once
     matrices = sum(v.size for k, v in params.items() if k.endswith(("in_proj.weight", "out_proj.weight",

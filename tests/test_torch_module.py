@@ -349,3 +349,26 @@ def test_compile_option_is_checked_at_the_door():
     with pytest.raises(ValueError, match="compile: backend 'numpy' has no compiler"):
         generation.generate(ids, params, config=LM_CONFIG, max_new_tokens=2, compile=True)
     assert generation.generate(ids, params, config=LM_CONFIG, max_new_tokens=2, compile=False).shape == (1, 5)
+
+
+@pytest.mark.parametrize("d_ssm", [None, 16])
+def test_in_proj_output_splits_with_one_backward_that_concatenates_gradients(d_ssm):
+    """torch's fast ``split`` (``torch.split``) cuts the in_proj output and xBC into the slices'
+    values, and their gradient is one concatenation: no slice backward zero-filling a full-size
+    gradient per part."""
+    import array_api_compat.torch as txp
+
+    from portable_ssm.mixer import _split, _split_xbc
+
+    config = ps.Mamba2Config(d_model=16, n_layer=1, d_state=8, headdim=8, d_ssm=d_ssm)  # d_ssm 16: d_mlp 16
+    width = config.d_in_proj
+    v = torch.randn(2, 5, width, dtype=torch.float64, requires_grad=True)
+    mlp, z, xBC, dt = _split(v, config, xp=txp)
+    x, B, C = _split_xbc(xBC, config, xp=txp)
+    parts = [p for p in (mlp, z, x.reshape(2, 5, -1), B.reshape(2, 5, -1), C.reshape(2, 5, -1), dt) if p is not None]
+    torch.testing.assert_close(torch.cat(parts, dim=-1), v, rtol=0, atol=0)
+    assert (mlp is None) == (config.d_mlp == 0)
+    assert {type(p.grad_fn).__name__ for p in (z, xBC, dt)} == {"SplitWithSizesBackward0"}
+    weights = [torch.randn(p.shape, dtype=p.dtype) for p in parts]
+    (grad,) = torch.autograd.grad(sum((p * w).sum() for p, w in zip(parts, weights)), v)
+    torch.testing.assert_close(grad, torch.cat([w.reshape(2, 5, -1) for w in weights], dim=-1), rtol=0, atol=0)

@@ -131,14 +131,23 @@ def _timed_calls(fn: Callable[[], Any], calls: int, clock: Clock) -> tuple[float
     return seconds / calls, peak, out
 
 
+#: Seconds the machine idles before each sample (and each decode row's turn): a library's worker
+#: threads spin for up to about 0.2 s after its last call, and take cores from whatever runs next
+#: (measured here: a torch matmul right after a NumPy one ran at 92 against 180 GFLOP/s 0.2 s later,
+#: as OpenBLAS's two threads were still spinning), so without it a row paid for the row before it.
+SETTLE_S = 0.2
+
+
 def measure(fns: dict[Any, Callable[[], Any]], repeats: int, clock: Clock = time.perf_counter,
-            budget_s: float = 30.0, sample_s: float = 1.0) -> dict[Any, tuple[float, int, float, float | None, Any]]:
+            budget_s: float = 30.0, sample_s: float = 1.0,
+            settle_s: float = SETTLE_S) -> dict[Any, tuple[float, int, float, float | None, Any]]:
     """Side by side: a warm-up and a calibration call of each function, then rounds that take one
     sample of each in turn, so every function sees the same machine load. A sample is the mean of
     enough back-to-back calls to last about ``sample_s`` (one for slow calls), so short and long
-    calls average over comparable stretches of time; each function gets ``repeats`` samples (fewer,
-    at least two, past ``budget_s``). Returns, per name, ``(median s per call, samples, first-call
-    s, peak MiB or None, last output)``."""
+    calls average over comparable stretches of time, and follows ``settle_s`` idle seconds, so it
+    does not pay for the previous function's spinning threads; each function gets ``repeats``
+    samples (fewer, at least two, past ``budget_s``). Returns, per name, ``(median s per call,
+    samples, first-call s, peak MiB or None, last output)``."""
     first, out, calls = {}, {}, {}
     for name, fn in fns.items():
         first[name], _, out[name] = _timed(fn, clock)
@@ -150,6 +159,7 @@ def measure(fns: dict[Any, Callable[[], Any]], repeats: int, clock: Clock = time
     for turn in range(max(runs.values(), default=0)):
         for name, fn in fns.items():
             if turn < runs[name]:
+                time.sleep(settle_s)
                 seconds, peak, out[name] = _timed_calls(fn, calls[name], clock)
                 times[name].append(seconds)
                 peaks[name].append(peak)
@@ -188,20 +198,24 @@ ROUND_STEPS = 4
 
 
 def interleaved_decode(runs: dict[Any, DecodeRun], read: Callable[[], Any], clock: Clock,
-                       round_steps: int = ROUND_STEPS) -> tuple[dict[Any, tuple[list[float], list[Any]]], list[float]]:
+                       round_steps: int = ROUND_STEPS,
+                       settle_s: float = SETTLE_S) -> tuple[dict[Any, tuple[list[float], list[Any]]], list[float]]:
     """Decode rows side by side: each run's prompt pass and first token in turn (untimed), then
     rounds in which every run takes ``round_steps`` timed steps in turn and ``read`` (the streaming
-    read) is timed once, until each run has ``DECODE_STEPS`` steps. So the rows' step times, and the
-    bandwidth they are compared with, share the machine's load as the forward rows' do (a compiling
-    first step lands in the first round). Returns ``({run: (step seconds, tokens)}, read seconds)``."""
+    read) is timed once, each after ``settle_s`` idle seconds (:data:`SETTLE_S`), until each run has
+    ``DECODE_STEPS`` steps. So the rows' step times, and the bandwidth they are compared with, share
+    the machine's load as the forward rows' do (a compiling first step lands in the first round).
+    Returns ``({run: (step seconds, tokens)}, read seconds)``."""
     steps = {key: ([], timed_steps(run, 1, clock)[1]) for key, run in runs.items()}
     read()  # warm-up
     reads = []
     for done in range(0, DECODE_STEPS, round_steps):
         for key, run in runs.items():
+            time.sleep(settle_s)
             times, tokens = timed_steps(run, min(round_steps, DECODE_STEPS - done), clock)
             steps[key][0].extend(times)
             steps[key][1].extend(tokens)
+        time.sleep(settle_s)
         start = clock()
         read()
         reads.append(clock() - start)
@@ -210,7 +224,7 @@ def interleaved_decode(runs: dict[Any, DecodeRun], read: Callable[[], Any], cloc
 
 def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock = time.perf_counter,
               sgemm_n: int = SGEMM_N, sample_s: float = 1.0, llama: LlamaCpp | None = None,
-              threads: int = 1, bandwidth_gib: float = 1.0) -> list[Row]:
+              threads: int = 1, bandwidth_gib: float = 1.0, settle_s: float = SETTLE_S) -> list[Row]:
     """Measures cases of one config on each backend that applies, then fills ratios (to transformers
     on the same case) and agreement checks. Forward, training and prefill calls of every case and
     backend (forward and training with an ``[sgemm_n, sgemm_n]`` sgemm) run side by side in the
@@ -219,7 +233,7 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
     bandwidth (a streaming read on ``threads`` threads, :func:`~portable_ssm.bench.calls.bandwidth_call`)
     their weight reads are compared with timed in the same rounds; transformers' ``generate`` runs
     apart, before them. With ``llama``, prefill and batch-1 decode groups also get the llama.cpp
-    rows (:data:`ROWS`)."""
+    rows (:data:`ROWS`). Every sample and decode turn follows ``settle_s`` idle seconds."""
     import numpy as np
 
     from ..params import init_params
@@ -238,7 +252,7 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
                     if b != "transformers"}
             runs.update({(group[0], name): greedy_run(model, inputs[group[0]]) for name, model in models.items()})
             with bandwidth_call(threads, bandwidth_gib) as (read, nbytes):
-                steps, reads = interleaved_decode(runs, read, clock)
+                steps, reads = interleaved_decode(runs, read, clock, settle_s=settle_s)
             bandwidth = nbytes / statistics.median(reads) / 1e9
             for key, (times, tokens) in steps.items():
                 outputs[key] = np.stack(tokens, axis=1)
@@ -252,7 +266,7 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
             for case in group if models else []:  # llama.cpp's prefill rows
                 fns.update({(case, name): fn for name, fn in prefill_calls(models, inputs[case]).items()})
             sgemm_fn = {} if part == "prefill" else {SGEMM: sgemm_call(sgemm_n)}
-            measured = measure({**fns, **sgemm_fn}, repeats, clock, sample_s=sample_s)
+            measured = measure({**fns, **sgemm_fn}, repeats, clock, sample_s=sample_s, settle_s=settle_s)
             sgemm = 2 * sgemm_n**3 / measured.pop(SGEMM)[0] / 1e9 if sgemm_fn else None
             for (case, backend), (seconds, runs, first, peak, out) in measured.items():
                 outputs[case, backend] = host(out)
@@ -409,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
               f"[{SGEMM_N}, {SGEMM_N}] float32 sgemm in turn (a sample: the mean of back-to-back calls "
               "lasting about 1 s, or one slower call); medians of the samples; % sgemm is against the "
               "sgemm timed in the same rounds, so ratios across backends and lengths share the machine's load",
+              f"every sample, decode turn and streaming read follows {SETTLE_S:g} s idle"
+              + (" (not in --quick runs)" if args.quick else "") + ", so no row pays for the worker threads the "
+              "row before it left spinning (after a NumPy matmul, OpenBLAS's halve a torch matmul's rate for "
+              "about that long)",
               "jax rows time `jax.jit(forward)`; their first ms includes the compile",
               f"decode: {PROMPT}-token prompt, then {DECODE_STEPS} greedy steps timed one by one, the rows "
               f"side by side: rounds in which each row (llama.cpp's included) takes {ROUND_STEPS} steps in turn "
@@ -432,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_group(group, backends, args.repeats, clock, sgemm_n=1024 if args.quick else SGEMM_N,
                               sample_s=0.05 if args.quick else 1.0, llama=llama,
                               threads=thread_count(args.threads),
-                              bandwidth_gib=1 / 16 if args.quick else 1.0)
+                              bandwidth_gib=1 / 16 if args.quick else 1.0, settle_s=0.0 if args.quick else SETTLE_S)
     for row in _progress([r for r in rows if r.backend in BACKENDS]) if fresh else []:  # not llama.cpp's
         row.fresh = fresh_peak_mib(row.case, row.backend)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
