@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from portable_ssm import generation, lm, ssd
+from portable_ssm._array import compute_dtype
 from portable_ssm.config import Mamba2Config
 from portable_ssm.conv import causal_conv1d_ref
 from portable_ssm.mixer import mixer
@@ -148,7 +149,7 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor
     """``portable_ssm.norm.gated_rms_norm_ref`` through ``F.silu`` and ``F.rms_norm`` (fewer passes
     and temporaries, in eager, autograd and compiled graphs alike): ``rmsnorm(y · silu(z))`` per
     group in float32 at least. ``y, z [..., d]``, weight ``[d]`` -> weight's dtype."""
-    cdtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    cdtype = compute_dtype(xp, weight.dtype)
     v = y.to(cdtype)
     if z is not None:
         v = v * F.silu(z.to(cdtype))

@@ -19,6 +19,7 @@ import array_api_compat.numpy as xp
 import numpy as np
 
 from portable_ssm import ssd
+from portable_ssm._array import compute_dtype
 
 from .threads import row_ranges, run_all, workers
 
@@ -117,7 +118,7 @@ def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, grou
     NORM_TILE_ROWS rows at a time in place, so the gate, the mean square and the scaling of a
     tile all run in cache (about 1.5x). ``y, z [..., d]``, weight ``[d]`` -> weight's dtype."""
     *lead, d = y.shape
-    cdtype = np.float64 if weight.dtype == np.float64 else np.float32
+    cdtype = compute_dtype(xp, weight.dtype)
     rows_y = y.reshape(-1, d)  # [rows, d]
     rows_z = None if z is None else z.reshape(-1, d)  # [rows, d]
     out = np.empty(rows_y.shape, dtype=cdtype)
