@@ -36,6 +36,7 @@ from portable_ssm.model import forward as core_forward
 from portable_ssm.params import init_params
 from portable_ssm.quantized import quantized_matmul_ref
 
+from . import torch_kernels
 from .numpy import ops as numpy_ops
 
 
@@ -252,7 +253,9 @@ def pack_quantized(weight: Any) -> Any:
 
 def quantized_matmul(rows: torch.Tensor, weight: Any) -> torch.Tensor:
     """``rows [m, in]`` (float32) times a :class:`~portable_ssm.quantized.QuantizedWeight` transposed:
-    ``[m, out]`` float32 with torch's shipped low-precision kernels, on CPU for ``m <=
+    ``[m, out]`` float32. One CPU row goes through :mod:`.torch_kernels`' row kernel where it is
+    built (weight-only: the int8 weight times its row scales, the row kept float32; bfloat16 widened
+    exactly). Otherwise torch's shipped low-precision kernels, on CPU for ``m <=
     CPU_KERNEL_MAX_ROWS``: fbgemm's on the weight's :func:`pack_quantized` copy where it has one
     (int8 also rounds the rows to 8 bits there), else int8 through ``torch._weight_int8pack_mm``
     (weight-only, per-channel scales) and bfloat16 through ``F.linear`` in bfloat16 (also on CUDA at
@@ -264,6 +267,8 @@ def quantized_matmul(rows: torch.Tensor, weight: Any) -> torch.Tensor:
     on_cpu = rows.device.type == "cpu"
     if on_cpu and rows.shape[0] > CPU_KERNEL_MAX_ROWS:
         return quantized_matmul_ref(rows, weight, xp=xp)
+    if _takes_row_kernel(rows, weight.data):
+        return torch_kernels.row_product(rows.contiguous(), weight.data, weight.scale)
     if weight.kind == "bfloat16" and _streams_one_row(rows):
         return _one_row_product(rows, weight.data)
     if weight.packed is not None:
@@ -300,10 +305,26 @@ def _one_row_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.sum(weight.to(rows.dtype) * rows, dim=-1)[None]  # [out, in] · [1, in] summed -> [1, out]
 
 
+def _takes_row_kernel(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``rows @ weight.T`` runs :mod:`.torch_kernels`' row kernel: one float32 CPU row, a
+    contiguous float32 / int8 / bfloat16 weight, nothing autograd records, and the kernel built
+    (eager calls build it on first use; a graph being traced only asks whether it was)."""
+    if rows.shape[0] != 1 or rows.device.type != "cpu" or weight.device.type != "cpu":
+        return False
+    if rows.dtype != torch.float32 or weight.dtype not in torch_kernels.WEIGHT_DTYPES or _records_grad(rows, weight):
+        return False
+    if not weight.is_contiguous():
+        return False
+    return torch_kernels.ready() if torch.compiler.is_compiling() else torch_kernels.ensure()
+
+
 def decode_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``rows [m, in] @ weight.T -> [m, out]`` for decode's ``m < 16``: ``weight @ rows.T`` as the
-    core computes it, except while ``torch.compile`` traces a CPU step of one row:
+    """``rows [m, in] @ weight.T -> [m, out]`` for decode's ``m < 16``: one float32 CPU row through
+    :mod:`.torch_kernels`' row kernel where it is built; else ``weight @ rows.T`` as the core
+    computes it, except while ``torch.compile`` traces a CPU step of one row:
     :func:`_one_row_product`."""
+    if _takes_row_kernel(rows, weight):
+        return torch_kernels.row_product(rows.contiguous(), weight)
     if _streams_one_row(rows):
         return _one_row_product(rows, weight)
     return torch.matmul(weight, rows.mT).mT  # [out, m] -> [m, out]
@@ -362,16 +383,20 @@ def detach_state(state: Mamba2State) -> Mamba2State:
     return Mamba2State(conv=tuple(t.detach() for t in state.conv), ssm=tuple(t.detach() for t in state.ssm))
 
 
-_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+_COMPILED: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
 
 
-def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+def compiled(fn: Callable[..., Any], *, cpp_wrapper: bool = False) -> Callable[..., Any]:
     """``torch.compile(fn, dynamic=False)``, made once per function, so every module and call shares
     its compiled graphs: one per shape (the core picks chunk sizes and matmul forms from the shapes,
-    which symbolic shapes cannot decide) and set of arguments, as torch.compile guards them."""
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=False)
-    return _COMPILED[fn]
+    which symbolic shapes cannot decide) and set of arguments, as torch.compile guards them.
+    ``cpp_wrapper``: inductor's ``cpp_wrapper`` option, the code that calls the graph's kernels and
+    ops written in C++ as well, rather than Python (a 130m decode step on CPU makes about 300
+    such calls and checks: 5-10% of its time)."""
+    key = (fn, cpp_wrapper)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, dynamic=False, options={"cpp_wrapper": True} if cpp_wrapper else None)
+    return _COMPILED[key]
 
 
 def _canonical(t: torch.Tensor) -> torch.Tensor:
@@ -388,12 +413,14 @@ def compile_step(fn: Callable[..., Any], name: str, donate: tuple[int, ...]) -> 
     ``name`` ``(token, state, ...)``, its state made row-major first. torch.compile guards strides,
     so the prefill's state (views into its scan's buffers) and the steps' own would otherwise
     compile the step twice; once row-major, a step's output feeds the next without a copy.
-    (torch.compile donates no buffers: ``donate`` is not needed.)"""
-    run = compiled(fn)
+    (torch.compile donates no buffers: ``donate`` is not needed.) The CPU row kernel
+    (:mod:`.torch_kernels`) is built first, so the traced step can call it, and a CPU step is
+    compiled with ``cpp_wrapper`` (:func:`compiled`)."""
+    torch_kernels.ensure()
 
     def step(token: Any, state: Mamba2State, *rest: Any) -> Any:
         canonical = Mamba2State(conv=tuple(map(_canonical, state.conv)), ssm=tuple(map(_canonical, state.ssm)))
-        return run(token, canonical, *rest)
+        return compiled(fn, cpp_wrapper=token.device.type == "cpu")(token, canonical, *rest)
 
     return step
 

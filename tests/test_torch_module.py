@@ -304,12 +304,17 @@ def test_compiled_decode_step_matches_eager_as_one_graph_per_batch_size(kind):
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("kind", ["float32", "bfloat16"])
-def test_compiled_one_row_product_streams_the_weight_against_a_stored_row(kind):
-    """Under compile a decode row's producers (here a norm) run once into a buffer; inductor would
-    otherwise recompute them, a square root and a division per element, inside every weight row's
-    loop. The code of the 300-row loop must therefore read the row, not compute it."""
+def test_compiled_one_row_product_streams_the_weight_against_a_stored_row(monkeypatch, kind):
+    """Where the CPU row kernel is not built, a compiled decode row's producers (here a norm) run once
+    into a buffer; inductor would otherwise recompute them, a square root and a division per
+    element, inside every weight row's loop. The code of the 300-row loop must therefore read the
+    row, not compute it."""
+    from portable_ssm.backends import torch_kernels
     from portable_ssm.backends.torch import compiled, decode_linear, quantized_matmul
     from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(torch_kernels, "_ACTIVE", [False])
+    monkeypatch.setattr(torch_kernels, "ensure", lambda: False)
 
     weight = ps.quantize({"out_proj.weight": _x(300, 64, seed=1)}, kind)["out_proj.weight"]
     product = decode_linear if kind == "float32" else quantized_matmul
