@@ -23,6 +23,7 @@ import hashlib
 import os
 import platform
 import warnings
+from functools import lru_cache
 
 import torch
 
@@ -127,12 +128,16 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
 WEIGHT_DTYPES = (torch.float32, torch.int8, torch.bfloat16)
 
 
-def enabled() -> bool:
-    """Whether the kernels may be used here: not turned off by :data:`ENV`, an x86-64 CPU with AVX2."""
-    if os.environ.get(ENV, "").strip() == "0":
-        return False
+@lru_cache(maxsize=1)
+def _cpu_has_avx2() -> bool:
+    """Whether this is an x86-64 CPU on which torch runs AVX2 (or AVX512) code (fixed per process)."""
     machine = platform.machine().lower()
     return machine in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def enabled() -> bool:
+    """Whether the kernels may be used here: not turned off by :data:`ENV`, an x86-64 CPU with AVX2."""
+    return os.environ.get(ENV, "").strip() != "0" and _cpu_has_avx2()
 
 
 _BUILT: list[bool] = []  # empty until the first build attempt, then whether it loaded
@@ -163,9 +168,10 @@ def _row_gemv_shape(row: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 def ensure() -> bool:
     """Whether the kernel may be used now, building it first (once per process) if it was not tried
     yet; call it outside ``torch.compile`` tracing (generation's compiler does, before tracing)."""
-    if enabled() and not _BUILT:
+    usable = enabled()
+    if usable and not _BUILT:
         _BUILT.append(_build())
-    _ACTIVE[0] = enabled() and bool(_BUILT) and _BUILT[0]
+    _ACTIVE[0] = usable and _BUILT[0]
     return _ACTIVE[0]
 
 
