@@ -330,6 +330,25 @@ def decode_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.matmul(weight, rows.mT).mT  # [out, m] -> [m, out]
 
 
+def decode_step(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, dt_limit: tuple[float, float],
+                ngroups: int, headdim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The ``decode_step`` hook: :mod:`.torch_kernels`' fused step for float32 CPU tensors autograd
+    does not record, where the kernel is built (as :func:`_takes_row_kernel` asks); None otherwise,
+    and the core's array-API step runs."""
+    tensors = (xBC, dt, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A, D)
+    present = [t for t in tensors if t is not None]
+    if any(t.device.type != "cpu" or t.dtype != torch_kernels.DECODE_DTYPE for t in present):
+        return None
+    if _records_grad(*present):
+        return None
+    if not (torch_kernels.ready() if torch.compiler.is_compiling() else torch_kernels.ensure()):
+        return None
+    return torch_kernels.decode_step(xBC, dt, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A, D,
+                                     dt_limit, ngroups, headdim)
+
+
 # --- Training: an nn.Module whose forward is the array-API core (no second implementation) ---
 
 _NO_DECAY_LEAVES = ("A_log", "D", "dt_bias", "bias")
@@ -426,7 +445,8 @@ def compile_step(fn: Callable[..., Any], name: str, donate: tuple[int, ...]) -> 
 
 
 FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "causal_conv1d_silu": causal_conv1d_silu,
-                            "compile": compile_step, "decode_linear": decode_linear, "gated_rms_norm": gated_rms_norm,
+                            "compile": compile_step, "decode_linear": decode_linear, "decode_step": decode_step,
+                            "gated_rms_norm": gated_rms_norm,
                             "pack_quantized": pack_quantized, "quantized_matmul": quantized_matmul,
                             "split": split, "ssd_chunked": ssd_chunked}
 

@@ -1,21 +1,28 @@
-"""Hand-written CPU kernels for the torch backend: the one-row matrix products of batch-1 decode.
+"""Hand-written CPU kernels for the torch backend: batch-1 decode's one-row matrix products and
+every decode step's state update.
 
 A decode step of one row reads every weight once, so its time is the memory bandwidth's. torch's
 own GEMV (MKL on some CPUs takes a generic path) and inductor's generated one (one accumulator
 and a horizontal sum per weight row) read float32 weights at about 75% of a streaming read,
 inductor's widening int8 loads are scalar, and fbgemm's int8 kernel also rounds the row to 8
-bits. :data:`SOURCE` is one small C++ kernel instead: ``row [1, in] @ weight.T -> [1, out]`` in
-float32 for a float32, int8 (times a float32 scale per output row: weight-only, the row stays
-float32) or bfloat16 weight, four FMA accumulators per weight row, the rows split over torch's
-intra-op threads.
+bits. :data:`SOURCE` holds two small C++ kernels instead:
 
-It is compiled from source on first use with ``torch.utils.cpp_extension`` (the C++ compiler
+* ``row_gemv``: ``row [1, in] @ weight.T -> [1, out]`` in float32 for a float32, int8 (times a
+  float32 scale per output row: weight-only, the row stays float32) or bfloat16 weight, four FMA
+  accumulators per weight row, the rows split over torch's intra-op threads;
+* ``decode_step``: one layer's step after in_proj (:func:`portable_ssm.mixer.decode_step_ref`:
+  conv, SiLU, Δ, state update, ``H @ C``, D skip and gate) for float32 tensors of any batch, the
+  heads split over the threads, each new state row multiplied by C as it is written (eager torch
+  otherwise makes about twenty passes over the state and its temporaries; inductor's fused loops
+  in a compiled step come close to the kernel).
+
+They are compiled from source on first use with ``torch.utils.cpp_extension`` (the C++ compiler
 ``torch.compile`` needs on CPU anyway, and ninja; about a minute, once: the build is cached in
-torch's extensions folder) and registered as the op ``portable_ssm_cpu::row_gemv``, which
-compiled graphs call as they call any torch op. It is used only where it can be: an x86-64 CPU
-with AVX2 and FMA (as torch reports its CPU capability) and ``PORTABLE_SSM_CPU_KERNELS`` not
-``0``. Where the build fails, one warning says why and torch's kernels stay; nothing else changes.
-"""
+torch's extensions folder) and registered as the ops ``portable_ssm_cpu::row_gemv`` and
+``portable_ssm_cpu::decode_step``, which compiled graphs call as they call any torch op. They are
+used only where they can be: an x86-64 CPU with AVX2 and FMA (as torch reports its CPU capability)
+and ``PORTABLE_SSM_CPU_KERNELS`` not ``0``. Where the build fails, one warning says why and torch's
+kernels and the array-API step stay; nothing else changes."""
 
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import os
 import platform
 import warnings
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -34,6 +42,11 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <tuple>
 
 namespace {
 
@@ -113,12 +126,146 @@ at::Tensor row_gemv(const at::Tensor& row, const at::Tensor& weight, const c10::
   return y;
 }
 
+// exp(v) for eight floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial; relative
+// error about 2e-7); inputs clamped to ±88.38, where float32's exp under- or overflows.
+inline __m256 exp8(__m256 v) {
+  v = _mm256_max_ps(_mm256_min_ps(v, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  v = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
+  v = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), v);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(v, v), v), _mm256_set1_ps(1.0f));
+  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(two_k));
+}
+inline __m256 silu8(__m256 v) {  // v·sigmoid(v) = v / (1 + exp(-v)); a NaN stays NaN through the product
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_mul_ps(v, _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v)))));
+}
+inline float silu1(float v) { return v / (1.0f + std::exp(-v)); }
+inline float softplus1(float v) { return 0.5f * (v + std::fabs(v)) + std::log1p(std::exp(-std::fabs(v))); }
+
+// v[i] = silu(v[i]) (gate == nullptr) or v[i] = (v[i] + d[i]·x[i])·silu(gate[i]) (d == nullptr: no skip).
+inline void silu_pass(float* v, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(v + i, silu8(_mm256_loadu_ps(v + i)));
+  for (; i < count; ++i) v[i] = silu1(v[i]);
+}
+inline void skip_and_gate(float* v, const float* x, const float* d, float d_all, const float* gate, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 dv = d == nullptr ? _mm256_set1_ps(d_all) : _mm256_loadu_ps(d + i);
+    const __m256 y = _mm256_fmadd_ps(dv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(v + i));
+    _mm256_storeu_ps(v + i, _mm256_mul_ps(y, silu8(_mm256_loadu_ps(gate + i))));
+  }
+  for (; i < count; ++i) v[i] = (v[i] + (d == nullptr ? d_all : d[i]) * x[i]) * silu1(gate[i]);
+}
+
+inline void check_f32(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim && t.scalar_type() == at::kFloat && t.is_contiguous(), "decode_step: ", name,
+              " must be a contiguous float32 tensor of rank ", dim, ", got ", t.sizes(), " ", t.scalar_type());
+}
+
+// One token of one layer after in_proj (portable_ssm.mixer.decode_step_ref): the conv step and SiLU,
+// Δ = clamp(softplus(dt + dt_bias)), H' = exp(Δ·A)·H + Δ·outer(x, B), y = (H' @ C + D·x)·silu(z).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_step(
+    const at::Tensor& xBC, const at::Tensor& dt, const at::Tensor& z, const at::Tensor& conv_state,
+    const at::Tensor& ssm_state, const at::Tensor& conv_weight, const c10::optional<at::Tensor>& conv_bias,
+    const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, double low, double high,
+    int64_t ngroups, int64_t headdim) {
+  check_f32(xBC, "xBC", 2); check_f32(dt, "dt", 2); check_f32(z, "z", 2); check_f32(conv_state, "conv_state", 3);
+  check_f32(ssm_state, "ssm_state", 4); check_f32(conv_weight, "conv_weight", 2); check_f32(dt_bias, "dt_bias", 1);
+  check_f32(A, "A", 1); check_f32(D, "D", D.dim());
+  const int64_t b = xBC.size(0), conv_dim = xBC.size(1), k = conv_state.size(2), h = dt.size(1);
+  const int64_t p = headdim, n = ssm_state.size(3), g = ngroups, d_inner = h * p;
+  TORCH_CHECK(g > 0 && h % g == 0 && conv_dim == d_inner + 2 * g * n && k > 0, "decode_step: inconsistent sizes");
+  TORCH_CHECK(dt.size(0) == b && z.size(0) == b && z.size(1) == d_inner && conv_state.size(0) == b &&
+              conv_state.size(1) == conv_dim && conv_weight.size(0) == conv_dim && conv_weight.size(1) == k &&
+              ssm_state.size(0) == b && ssm_state.size(1) == h && ssm_state.size(2) == p &&
+              dt_bias.size(0) == h && A.size(0) == h && D.size(0) == h && (D.dim() == 1 || D.size(1) == p),
+              "decode_step: shapes do not match xBC ", xBC.sizes(), " and ssm_state ", ssm_state.sizes());
+  const float* bias = nullptr;
+  if (conv_bias.has_value()) {
+    check_f32(*conv_bias, "conv_bias", 1);
+    TORCH_CHECK(conv_bias->size(0) == conv_dim, "decode_step: conv_bias must be [", conv_dim, "]");
+    bias = conv_bias->data_ptr<float>();
+  }
+  at::Tensor act = at::empty({b, conv_dim}, xBC.options());
+  at::Tensor new_conv = at::empty_like(conv_state), new_ssm = at::empty_like(ssm_state);
+  at::Tensor y = at::empty({b, d_inner}, xBC.options());
+  const float *xin = xBC.data_ptr<float>(), *cs = conv_state.data_ptr<float>(), *w = conv_weight.data_ptr<float>();
+  float *ap = act.data_ptr<float>(), *ncs = new_conv.data_ptr<float>();
+  for (int64_t i = 0; i < b * conv_dim; ++i) {  // one channel of one row: shift the window in, dot the taps
+    const int64_t c = i % conv_dim;
+    const float* s = cs + i * k;
+    float* o = ncs + i * k;
+    float acc = 0.f;
+    for (int64_t j = 0; j + 1 < k; ++j) {
+      o[j] = s[j + 1];
+      acc += o[j] * w[c * k + j];
+    }
+    o[k - 1] = xin[i];
+    acc += xin[i] * w[c * k + k - 1];
+    ap[i] = bias == nullptr ? acc : acc + bias[c];
+  }
+  silu_pass(ap, b * conv_dim);
+  const float *dtp = dt.data_ptr<float>(), *zp = z.data_ptr<float>(), *H = ssm_state.data_ptr<float>();
+  const float *dbp = dt_bias.data_ptr<float>(), *Ap = A.data_ptr<float>(), *Dp = D.data_ptr<float>();
+  const bool d_per_channel = D.dim() == 2;
+  float *Hn = new_ssm.data_ptr<float>(), *yp = y.data_ptr<float>();
+  const float lo = static_cast<float>(low), hi = static_cast<float>(high);
+  at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {  // one head of one row
+      const int64_t row = bh / h, head = bh % h, group = head / (h / g);
+      const float step = std::min(std::max(softplus1(dtp[bh] + dbp[head]), lo), hi);  // Δ
+      const float decay = std::exp(step * Ap[head]);  // exp(Δ·A)
+      const float* x = ap + row * conv_dim + head * p;
+      const float* B = ap + row * conv_dim + d_inner + group * n;
+      const float* C = ap + row * conv_dim + d_inner + g * n + group * n;
+      float* out = yp + row * d_inner + head * p;
+      const __m256 vdecay = _mm256_set1_ps(decay);
+      for (int64_t i = 0; i < p; ++i) {  // H'[i, :] = decay·H[i, :] + Δ·x[i]·B, and H'[i, :] @ C
+        const float* hrow = H + (bh * p + i) * n;
+        float* nrow = Hn + (bh * p + i) * n;
+        const float feed = step * x[i];
+        const __m256 vfeed = _mm256_set1_ps(feed);
+        __m256 acc = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+          __m256 v = _mm256_fmadd_ps(vfeed, _mm256_loadu_ps(B + j), _mm256_mul_ps(vdecay, _mm256_loadu_ps(hrow + j)));
+          _mm256_storeu_ps(nrow + j, v);
+          acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(C + j), acc);
+        }
+        float dot = horizontal_sum(acc);
+        for (; j < n; ++j) {
+          nrow[j] = decay * hrow[j] + feed * B[j];
+          dot += nrow[j] * C[j];
+        }
+        out[i] = dot;
+      }
+      skip_and_gate(out, x, d_per_channel ? Dp + head * p : nullptr, Dp[head], zp + row * d_inner + head * p, p);
+    }
+  });
+  return {y, new_conv, new_ssm};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(portable_ssm_cpu, m) {
   m.def("row_gemv(Tensor row, Tensor weight, Tensor? scale) -> Tensor");
+  m.def("decode_step(Tensor xBC, Tensor dt, Tensor z, Tensor conv_state, Tensor ssm_state, Tensor conv_weight, "
+        "Tensor? conv_bias, Tensor dt_bias, Tensor A, Tensor D, float low, float high, int ngroups, int headdim) "
+        "-> (Tensor, Tensor, Tensor)");
 }
-TORCH_LIBRARY_IMPL(portable_ssm_cpu, CPU, m) { m.impl("row_gemv", &row_gemv); }
+TORCH_LIBRARY_IMPL(portable_ssm_cpu, CPU, m) {
+  m.impl("row_gemv", &row_gemv);
+  m.impl("decode_step", &decode_step);
+}
 """
 
 #: The compiler's flags: AVX2 and FMA code; OpenMP, so ``at::parallel_for`` splits the rows over
@@ -154,15 +301,21 @@ def _build() -> bool:
                                   verbose=False)
     except Exception as error:  # no compiler or ninja, or a failed build: torch's kernels stay
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        warnings.warn(f"portable_ssm: the CPU decode kernel could not be built ({first_line}); batch-1 decode "
-                      f"uses torch's own kernels (set {ENV}=0 to skip the attempt)", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"portable_ssm: the CPU decode kernels could not be built ({first_line}); decode uses "
+                      f"torch's own kernels (set {ENV}=0 to skip the attempt)", RuntimeWarning, stacklevel=4)
         return False
     torch.library.register_fake("portable_ssm_cpu::row_gemv")(_row_gemv_shape)
+    torch.library.register_fake("portable_ssm_cpu::decode_step")(_decode_step_shapes)
     return True
 
 
 def _row_gemv_shape(row: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return row.new_empty((1, weight.shape[0]))
+
+
+def _decode_step_shapes(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state: torch.Tensor,
+                        ssm_state: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return z.new_empty(z.shape), conv_state.new_empty(conv_state.shape), ssm_state.new_empty(ssm_state.shape)
 
 
 def ensure() -> bool:
@@ -184,3 +337,22 @@ def ready() -> bool:
 def row_product(row: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``row [1, in] @ weight.T -> [1, out]`` in float32 (each output times ``scale [out]`` when given)."""
     return torch.ops.portable_ssm_cpu.row_gemv(row, weight, scale)
+
+
+#: The dtype every tensor of the fused decode step must have.
+DECODE_DTYPE = torch.float32
+
+
+def decode_step(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, dt_limit: tuple[float, float],
+                ngroups: int, headdim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`portable_ssm.mixer.decode_step_ref` (which documents the arguments) in one pass over
+    the state for float32 CPU tensors: the state is read once and written once, each new row
+    multiplied by C as it is written (the array-API step reads it a second time for C). Returns
+    ``(y [b, h·p], new_conv_state, new_ssm_state)``; the inputs are left untouched."""
+    low, high = dt_limit
+    return torch.ops.portable_ssm_cpu.decode_step(
+        xBC.contiguous(), dt.contiguous(), z.contiguous(), conv_state.contiguous(), ssm_state.contiguous(),
+        conv_weight.contiguous(), None if conv_bias is None else conv_bias.contiguous(), dt_bias.contiguous(),
+        A.contiguous(), D.contiguous(), float(low), float(high), ngroups, headdim)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from ._array import Array, Namespace, compute_dtype, silu
+from ._array import Array, Namespace, compute_dtype, namespace, silu
 from .backends import fast_op
 from .config import Mamba2Config
 from .conv import causal_conv1d_silu, conv_step
@@ -114,8 +114,10 @@ def _output(y: Array, z: Array | None, mlp: Array | None, p: dict[str, Array], c
 
 
 def _fused_decode(c: Mamba2Config, *, xp: Namespace) -> Any:
-    """The backend's fused decode kernel (``fast_op(xp, "decode_step")``), or None where it cannot
-    compute this variant: it gates y before the norm, so norm_before_gate=True runs the reference."""
+    """The backend's fused decode kernel (``fast_op(xp, "decode_step")``, :func:`decode_step_ref`'s
+    arguments and results; it may return None for inputs it does not take, and the array-API step
+    runs), or None where it cannot compute this variant: it gates y before the norm, so
+    norm_before_gate=True runs the reference."""
     if c.rmsnorm and c.norm_before_gate:
         return None
     return fast_op(xp, "decode_step")
@@ -163,9 +165,10 @@ def mixer_step(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array
     cdtype = compute_dtype(xp, u.dtype)
     A, D = _ssm_params(p, c, cdtype, xp=xp)
     native = _fused_decode(c, xp=xp)
-    if native is not None:  # one fused launch: conv, SiLU, Δ, state update, output, D skip and gate
-        y, conv_state, ssm_state = native(xBC, dt, z, conv_state, ssm_state, conv_w, p.get("conv1d.bias"),
-                                          p["dt_bias"], A, D, c.dt_limit, c.ngroups, c.headdim)
+    fused = None if native is None else native(xBC, dt, z, conv_state, ssm_state, conv_w, p.get("conv1d.bias"),
+                                               p["dt_bias"], A, D, c.dt_limit, c.ngroups, c.headdim)
+    if fused is not None:  # one fused kernel: conv, SiLU, Δ, state update, output, D skip and gate
+        y, conv_state, ssm_state = fused
         return _output(y, None, mlp, p, c, xp=xp), conv_state, ssm_state
 
     xBC, conv_state = conv_step(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp)
@@ -176,3 +179,43 @@ def mixer_step(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array
                                    heads_from_groups(C, c.nheads, xp=xp), xp=xp)
     y = xp.reshape(skip_and_gate(y, x, D, None, xp=xp), (b, c.ssm_dim))  # [b, h, p] -> [b, ssm_dim]
     return _output(y, z, mlp, p, c, xp=xp), conv_state, ssm_state
+
+
+def decode_step_ref(xBC: Array, dt: Array, z: Array, conv_state: Array, ssm_state: Array,
+                    conv_weight: Array, conv_bias: Array | None, dt_bias: Array, A: Array, D: Array,
+                    dt_limit: tuple[float, float], ngroups: int, headdim: int) -> tuple[Array, Array, Array]:
+    """One token of one Mamba-2 layer after in_proj, up to the gate (the norm and out_proj follow).
+
+    Args:
+        xBC: ``[b, conv_dim]`` raw conv input, ``conv_dim = h·p + 2·g·n`` (x, then B, then C).
+        dt: ``[b, h]`` raw time step (before ``dt_bias`` and the softplus).
+        z: ``[b, h·p]`` gate.
+        conv_state: ``[b, conv_dim, k]`` the last k inputs (xBC's dtype).
+        ssm_state: ``[b, h, p, n]`` in the compute dtype.
+        conv_weight, conv_bias: ``[conv_dim, k]`` and ``[conv_dim]`` or None.
+        dt_bias, A: ``[h]`` (A = -exp(A_log)); D: ``[h]`` or ``[h, p]``.
+        dt_limit: ``(low, high)`` clamp of Δ; ngroups: g; headdim: p.
+
+    Returns:
+        ``(y [b, h·p] in xBC's dtype, new_conv_state, new_ssm_state)`` with
+        ``y = (H @ C + D·x) · silu(z)`` after ``H = exp(Δ·A)·H + Δ·outer(x, B)``.
+    """
+    xp = namespace(xBC=xBC, dt=dt, z=z, conv_state=conv_state, ssm_state=ssm_state, conv_weight=conv_weight,
+                   conv_bias=conv_bias, dt_bias=dt_bias, A=A, D=D)
+    b, conv_dim = xBC.shape
+    out_dtype, cdtype = xBC.dtype, compute_dtype(xp, xBC.dtype)
+    h = dt.shape[-1]
+    d_inner = h * headdim
+    n = (conv_dim - d_inner) // (2 * ngroups)
+    xBC, conv_state = conv_step(xBC, conv_weight, conv_bias, conv_state, xp=xp)
+    xBC = silu(xBC, xp=xp)
+    x = xp.reshape(xBC[:, :d_inner], (b, h, headdim))  # [b, h, p]
+    B = xp.reshape(xBC[:, d_inner:d_inner + ngroups * n], (b, ngroups, n))  # [b, g, n]
+    C = xp.reshape(xBC[:, d_inner + ngroups * n:], (b, ngroups, n))  # [b, g, n]
+    x, B, C = (xp.astype(v, cdtype) for v in (x, B, C))
+    step = xp.astype(delta(dt, dt_bias, True, dt_limit, xp=xp), cdtype)  # Δ [b, h]
+    y, ssm_state = recurrence_step(ssm_state, x, step, xp.astype(A, cdtype), heads_from_groups(B, h, xp=xp),
+                                   heads_from_groups(C, h, xp=xp), xp=xp)
+    gate = xp.astype(xp.reshape(z, (b, h, headdim)), cdtype)  # [b, h·p] -> [b, h, p]
+    y = skip_and_gate(y, x, xp.astype(D, cdtype), gate, xp=xp)
+    return xp.astype(xp.reshape(y, (b, d_inner)), out_dtype), conv_state, ssm_state  # [b, h, p] -> [b, h·p]

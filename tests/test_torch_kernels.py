@@ -1,7 +1,8 @@
-"""The torch backend's CPU row kernel (backends/torch_kernels.py): one decode row times a float32,
-int8 or bfloat16 weight equals the reference product, eager and compiled decode call it (compiled
-graphs without a break), autograd and other shapes keep torch's kernels, and a failed build or
-``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on torch's kernels with one warning."""
+"""The torch backend's CPU kernels (backends/torch_kernels.py): one decode row times a float32,
+int8 or bfloat16 weight equals the reference product, the fused decode step equals
+``decode_step_ref``, eager and compiled decode call both (compiled graphs without a break),
+autograd and other shapes and dtypes keep torch's kernels and the array-API step, and a failed
+build or ``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on them with one warning."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ torch = pytest.importorskip("torch")
 from portable_ssm.backends import torch as backend  # noqa: E402
 from portable_ssm.backends import torch_kernels  # noqa: E402
 
+from portable_ssm.mixer import decode_step_ref  # noqa: E402
 from portable_ssm.quantized import quantized_matmul_ref  # noqa: E402
 
 requires_kernel = pytest.mark.skipif(not torch_kernels.enabled(), reason="not an x86-64 CPU with AVX2")
@@ -136,6 +138,106 @@ def test_compiled_one_row_decode_calls_the_row_kernel_in_one_graph(kernel):
     assert rel_err(compiled.numpy(), got.numpy()) < 1e-6
 
 
+def _decode_args(seed: int, *, b: int, h: int, g: int, p: int, n: int, k: int = 4, bias: bool,
+                 per_channel_D: bool, dt_limit: tuple[float, float]) -> dict:
+    """Random decode-step inputs, float32 CPU tensors (A < 0; Δ's raw dt around zero)."""
+    rng = np.random.default_rng(seed)
+    conv_dim = h * p + 2 * g * n
+
+    def t(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.from_numpy((scale * rng.standard_normal(shape)).astype(np.float32))
+
+    return dict(xBC=t(b, conv_dim), dt=t(b, h), z=t(b, h * p), conv_state=t(b, conv_dim, k),
+                ssm_state=t(b, h, p, n), conv_weight=t(conv_dim, k, scale=0.5), conv_bias=t(conv_dim) if bias else None,
+                dt_bias=t(h, scale=0.5), A=-torch.exp(t(h)), D=t(h, p) if per_channel_D else t(h), dt_limit=dt_limit,
+                ngroups=g, headdim=p)
+
+
+@requires_kernel
+@pytest.mark.parametrize(("b", "h", "g", "p", "n", "bias", "per_channel_D", "dt_limit"), [
+    (1, 24, 1, 64, 128, True, False, (0.0, float("inf"))),  # mamba2-130m's layer
+    (3, 6, 3, 5, 13, False, True, (0.01, 0.5)),  # groups, the 8-wide loop and its tail, a clamped Δ
+    (2, 4, 2, 3, 5, True, False, (0.0, float("inf"))),  # n below one vector: the scalar loop only
+])
+def test_fused_decode_step_equals_the_array_api_step(kernel, b, h, g, p, n, bias, per_channel_D, dt_limit):
+    args = _decode_args(7, b=b, h=h, g=g, p=p, n=n, bias=bias, per_channel_D=per_channel_D, dt_limit=dt_limit)
+    before = {name: v.clone() for name, v in args.items() if isinstance(v, torch.Tensor)}
+    got = kernel.decode_step(**args)
+    want = decode_step_ref(**args)
+    for name, g_, w in zip(("y", "conv_state", "ssm_state"), got, want):
+        assert g_.dtype == torch.float32 and g_.shape == w.shape, name
+        assert rel_err(g_.numpy(), w.numpy()) < 2e-6, name
+    assert torch.equal(got[1], want[1])  # the conv window is moved, not computed
+    assert all(torch.equal(args[name], v) for name, v in before.items())  # the inputs are left untouched
+
+
+@requires_kernel
+def test_fused_decode_step_refuses_inconsistent_shapes(kernel):
+    args = _decode_args(0, b=1, h=4, g=2, p=3, n=5, bias=False, per_channel_D=False, dt_limit=(0.0, 1.0))
+    with pytest.raises(RuntimeError, match="decode_step: shapes do not match"):
+        kernel.decode_step(**{**args, "z": args["z"][:, 1:]})
+    with pytest.raises(RuntimeError, match="decode_step: inconsistent sizes"):
+        kernel.decode_step(**{**args, "ngroups": 3})
+    with pytest.raises(RuntimeError, match="ssm_state must be a contiguous float32"):
+        kernel.decode_step(**{**args, "ssm_state": args["ssm_state"][0]})
+
+
+@requires_kernel
+def test_decode_step_hook_declines_autograd_float64_and_leaves_them_to_the_core(kernel):
+    args = _decode_args(1, b=1, h=4, g=1, p=3, n=8, bias=True, per_channel_D=False, dt_limit=(0.0, 1.0))
+    assert backend.decode_step(**{**args, "z": args["z"].requires_grad_()}) is None  # autograd records it
+    assert backend.decode_step(**{k: v.double() if isinstance(v, torch.Tensor) else v for k, v in args.items()}) is None
+    with torch.no_grad():
+        assert backend.decode_step(**args) is not None
+
+
+def _count_fused_steps(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = torch_kernels.decode_step
+    monkeypatch.setattr(torch_kernels, "decode_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+_SMALL_LM = dict(d_model=32, n_layer=2, d_state=16, headdim=16, ngroups=2, vocab_size=50, pad_vocab_size_multiple=1)
+
+
+@requires_kernel
+def test_eager_lm_step_runs_the_fused_step_in_every_layer_and_equals_the_array_api_step(kernel, monkeypatch):
+    config = ps.Mamba2Config(**_SMALL_LM)
+    params = ps.init_params(config, seed=0, backend="torch")
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, 50, (2, 9)))
+    _, state = ps.lm.logits(ids, params, config=config, return_state=True)
+    calls = _count_fused_steps(monkeypatch)
+    with torch.inference_mode():
+        got, got_state = ps.lm.logits_step(ids[:, -1], state, params, config=config)
+    assert len(calls) == config.n_layer
+    monkeypatch.delitem(backend.FAST_OPS, "decode_step")
+    want, want_state = ps.lm.logits_step(ids[:, -1], state, params, config=config)
+    assert rel_err(got.numpy(), want.numpy()) < 1e-5
+    for g_, w in zip(got_state.ssm + got_state.conv, want_state.ssm + want_state.conv):
+        assert rel_err(g_.numpy(), w.numpy()) < 2e-6
+
+
+@requires_kernel
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_compiled_generation_traces_the_fused_step_and_gives_the_array_api_tokens(kernel, monkeypatch):
+    config = ps.Mamba2Config(**_SMALL_LM)
+    params = ps.init_params(config, seed=0, backend="torch")
+    ids = torch.from_numpy(np.random.default_rng(2).integers(0, 50, (1, 5)))
+    calls = _count_fused_steps(monkeypatch)
+    with torch.inference_mode():
+        got, got_state = ps.generation.generate(ids, params, config=config, max_new_tokens=6, compile=True,
+                                                return_state=True)
+    assert len(calls) >= config.n_layer  # traced into the step's graph
+    monkeypatch.delitem(backend.FAST_OPS, "decode_step")
+    with torch.inference_mode():
+        want, want_state = ps.generation.generate(ids, params, config=config, max_new_tokens=6, return_state=True)
+    assert torch.equal(got, want)
+    for g_, w in zip(got_state.ssm, want_state.ssm):
+        assert rel_err(g_.numpy(), w.numpy()) < 1e-5
+
+
 def test_failed_build_warns_once_and_leaves_torchs_kernels(monkeypatch):
     from torch.utils import cpp_extension
 
@@ -152,6 +254,9 @@ def test_failed_build_warns_once_and_leaves_torchs_kernels(monkeypatch):
     assert torch_kernels.ensure() is False and not torch_kernels.ready()  # tried once: no second warning
     w, row = _matrix(30, 16, seed=0), _matrix(1, 16, seed=1)
     torch.testing.assert_close(backend.decode_linear(row, w), row @ w.T)
+    args = _decode_args(0, b=1, h=2, g=1, p=3, n=8, bias=False, per_channel_D=False, dt_limit=(0.0, 1.0))
+    with torch.no_grad():
+        assert backend.decode_step(**args) is None  # the core's array-API step runs
 
 
 def test_kernels_off_by_environment_variable_never_build(monkeypatch):
@@ -160,6 +265,9 @@ def test_kernels_off_by_environment_variable_never_build(monkeypatch):
     monkeypatch.setattr(torch_kernels, "_ACTIVE", [True])
     monkeypatch.setattr(torch_kernels, "_build", lambda: pytest.fail("built although turned off"))
     assert not torch_kernels.enabled() and torch_kernels.ensure() is False and not torch_kernels.ready()
+    args = _decode_args(0, b=1, h=2, g=1, p=3, n=8, bias=False, per_channel_D=False, dt_limit=(0.0, 1.0))
+    with torch.no_grad():
+        assert backend.decode_step(**args) is None
     q = ps.quantize({"lm_head.weight": _matrix(30, 16, seed=0)}, "int8")["lm_head.weight"]
     q = dataclasses.replace(q, packed=None)
     row = _matrix(1, 16, seed=1)
