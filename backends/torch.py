@@ -315,6 +315,12 @@ def _takes_row_kernel(rows: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if not weight.is_contiguous():
         return False
+    return _kernels_ready()
+
+
+def _kernels_ready() -> bool:
+    """Whether :mod:`.torch_kernels` is built: eager calls build it on first use, a graph being
+    traced only asks whether it was."""
     return torch_kernels.ready() if torch.compiler.is_compiling() else torch_kernels.ensure()
 
 
@@ -335,15 +341,15 @@ def decode_step(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state
                 dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, dt_limit: tuple[float, float],
                 ngroups: int, headdim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The ``decode_step`` hook: :mod:`.torch_kernels`' fused step for float32 CPU tensors autograd
-    does not record, where the kernel is built (as :func:`_takes_row_kernel` asks); None otherwise,
-    and the core's array-API step runs."""
+    does not record, where the kernel is built (:func:`_kernels_ready`); None otherwise, and the
+    core's array-API step runs."""
     tensors = (xBC, dt, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A, D)
     present = [t for t in tensors if t is not None]
     if any(t.device.type != "cpu" or t.dtype != torch_kernels.DECODE_DTYPE for t in present):
         return None
     if _records_grad(*present):
         return None
-    if not (torch_kernels.ready() if torch.compiler.is_compiling() else torch_kernels.ensure()):
+    if not _kernels_ready():
         return None
     return torch_kernels.decode_step(xBC, dt, z, conv_state, ssm_state, conv_weight, conv_bias, dt_bias, A, D,
                                      dt_limit, ngroups, headdim)

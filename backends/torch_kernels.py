@@ -150,12 +150,13 @@ inline __m256 silu8(__m256 v) {  // v·sigmoid(v) = v / (1 + exp(-v)); a NaN sta
 inline float silu1(float v) { return v / (1.0f + std::exp(-v)); }
 inline float softplus1(float v) { return 0.5f * (v + std::fabs(v)) + std::log1p(std::exp(-std::fabs(v))); }
 
-// v[i] = silu(v[i]) (gate == nullptr) or v[i] = (v[i] + d[i]·x[i])·silu(gate[i]) (d == nullptr: no skip).
+// v[i] = silu(v[i]), in place.
 inline void silu_pass(float* v, int64_t count) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) _mm256_storeu_ps(v + i, silu8(_mm256_loadu_ps(v + i)));
   for (; i < count; ++i) v[i] = silu1(v[i]);
 }
+// v[i] = (v[i] + d[i]·x[i])·silu(gate[i]), in place; d == nullptr: one d_all for every i.
 inline void skip_and_gate(float* v, const float* x, const float* d, float d_all, const float* gate, int64_t count) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
@@ -319,8 +320,8 @@ def _decode_step_shapes(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, co
 
 
 def ensure() -> bool:
-    """Whether the kernel may be used now, building it first (once per process) if it was not tried
-    yet; call it outside ``torch.compile`` tracing (generation's compiler does, before tracing)."""
+    """Whether the kernels may be used now, building them first (once per process) if that was not
+    tried yet; call it outside ``torch.compile`` tracing (generation's compiler does, before tracing)."""
     usable = enabled()
     if usable and not _BUILT:
         _BUILT.append(_build())
