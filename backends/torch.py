@@ -34,7 +34,7 @@ from portable_ssm.mixer import mixer
 from portable_ssm.model import Mamba2State
 from portable_ssm.model import forward as core_forward
 from portable_ssm.params import init_params
-from portable_ssm.quantized import quantized_matmul_ref
+from portable_ssm.quantized import QuantizedWeight, quantized_matmul_ref
 
 from . import torch_kernels
 from .numpy import ops as numpy_ops
@@ -355,6 +355,101 @@ def decode_step(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state
                                      dt_limit, ngroups, headdim)
 
 
+def _row_kernel_weight(w: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(storage, int8 row scales or None)`` of a projection the row kernel reads (a contiguous
+    float32 tensor, or a :class:`~portable_ssm.quantized.QuantizedWeight` of int8 or bfloat16);
+    None for any other."""
+    data, scale = (w.data, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
+    if data.dtype not in torch_kernels.WEIGHT_DTYPES or data.device.type != "cpu" or not data.is_contiguous():
+        return None
+    return data, scale
+
+
+def _model_weights(params: dict[str, Any], config: Mamba2Config) -> torch_kernels.ModelWeights | None:
+    """``params`` as :func:`.torch_kernels.decode_model` reads them, or None where it cannot: a
+    projection bias, a weight the row kernel does not read, or another tensor not contiguous
+    float32 on the CPU."""
+    leaves = ("in_proj", "out_proj")
+    if any(f"layers.{i}.mixer.{leaf}.bias" in params for i in range(config.n_layer) for leaf in leaves):
+        return None
+    projections = [_row_kernel_weight(params[f"layers.{i}.mixer.{leaf}.weight"])
+                   for i in range(config.n_layer) for leaf in leaves]
+    head = _row_kernel_weight(lm.head_weight(params, config))
+    if head is None or any(w is None for w in projections):
+        return None
+    layer = [[params[f"layers.{i}.{name}"] for i in range(config.n_layer)]
+             for name in ("norm.weight", "mixer.conv1d.weight", "mixer.dt_bias", "mixer.A_log", "mixer.D",
+                          "mixer.norm.weight")]
+    biases = [params.get(f"layers.{i}.mixer.conv1d.bias") for i in range(config.n_layer)]
+    plain = [*itertools.chain.from_iterable(layer), *(b for b in biases if b is not None), params["norm_f.weight"]]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in plain):
+        return None
+    norms, conv_weights, dt_biases, A_logs, Ds, gate_norms = layer
+    (in_weights, in_scales), (out_weights, out_scales) = (map(list, zip(*projections[j::2])) for j in (0, 1))
+    return torch_kernels.ModelWeights(norms, in_weights, in_scales, conv_weights, biases, dt_biases, A_logs, Ds,
+                                      gate_norms, out_weights, out_scales, params["norm_f.weight"], *head)
+
+
+#: The last params :func:`_known_model_weights` prepared: ``{(config, names, ids of the values):
+#: ModelWeights of weak references}`` (weak, so a model the caller drops is freed).
+_PREPARED: dict[tuple[Any, ...], torch_kernels.ModelWeights] = {}
+
+
+def _weak(v: Any) -> Any:
+    return None if v is None else weakref.ref(v)
+
+
+def _strong(r: Any) -> Any:
+    return None if r is None else r()
+
+
+def _known_model_weights(params: dict[str, Any], config: Mamba2Config) -> torch_kernels.ModelWeights | None:
+    """:func:`_model_weights`, remembered for the params last asked about (the same names and the
+    same objects): gathering and checking a 24-layer model's tensors costs about 0.3 ms, a tenth of
+    an int8 step."""
+    key = (config, tuple(params), tuple(map(id, params.values())))
+    refs = _PREPARED.get(key)
+    if refs is not None:
+        weights = torch_kernels.ModelWeights(*(list(map(_strong, f)) if isinstance(f, list) else _strong(f)
+                                               for f in refs))
+        alive = all(r is None or r() is not None for f in refs for r in (f if isinstance(f, list) else [f]))
+        if alive:
+            return weights
+    weights = _model_weights(params, config)
+    _PREPARED.clear()
+    if weights is not None:
+        _PREPARED[key] = torch_kernels.ModelWeights(*(list(map(_weak, f)) if isinstance(f, list) else _weak(f)
+                                                      for f in weights))
+    return weights
+
+
+def decode_model(x: torch.Tensor, state: Mamba2State, params: dict[str, Any],
+                 config: Mamba2Config) -> tuple[torch.Tensor, Mamba2State] | None:
+    """The ``decode_model`` hook: one batch-1 token through the whole language model in one call of
+    :mod:`.torch_kernels`' ``decode_model`` (no Python, dispatch or graph guards between the
+    layers' kernels), for a float32 CPU row autograd does not record, where the kernels are built,
+    and for the variant the kernel computes (no gated MLP, the gated norm after the gate, no
+    projection biases, float32 / int8 / bfloat16 weights); None otherwise, and the core's per-layer
+    step runs. Also None while ``torch.compile`` traces: inductor's C++ wrapper calls no op that
+    returns lists of tensors, and the compiled per-layer step (with its own kernels) runs instead.
+    Returns ``(logits [1, rows], new state)``."""
+    c = config
+    if c.d_mlp or not c.rmsnorm or c.norm_before_gate or x.shape[0] != 1 or torch.compiler.is_compiling():
+        return None
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not torch_kernels.ensure():
+        return None
+    weights = _known_model_weights(params, c)
+    if weights is None:
+        return None
+    if torch.is_grad_enabled() and _records_grad(x, *itertools.chain(*(f if isinstance(f, list) else [f]
+                                                                         for f in weights))):
+        return None
+    out, convs, ssms = torch_kernels.decode_model(
+        x.contiguous(), [t.contiguous() for t in state.conv], [t.contiguous() for t in state.ssm], weights,
+        c.norm_eps, c.dt_limit, c.ngroups, c.headdim)
+    return out, Mamba2State(conv=tuple(convs), ssm=tuple(ssms))
+
+
 # --- Training: an nn.Module whose forward is the array-API core (no second implementation) ---
 
 _NO_DECAY_LEAVES = ("A_log", "D", "dt_bias", "bias")
@@ -451,7 +546,8 @@ def compile_step(fn: Callable[..., Any], name: str, donate: tuple[int, ...]) -> 
 
 
 FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "causal_conv1d_silu": causal_conv1d_silu,
-                            "compile": compile_step, "decode_linear": decode_linear, "decode_step": decode_step,
+                            "compile": compile_step, "decode_linear": decode_linear, "decode_model": decode_model,
+                            "decode_step": decode_step,
                             "gated_rms_norm": gated_rms_norm,
                             "pack_quantized": pack_quantized, "quantized_matmul": quantized_matmul,
                             "split": split, "ssd_chunked": ssd_chunked}

@@ -31,7 +31,7 @@ import os
 import platform
 import warnings
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -255,6 +255,73 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_step(
   return {y, new_conv, new_ssm};
 }
 
+// out = weight · x / sqrt(mean(x²) + eps) over each of `groups` equal slices of x [1, d].
+at::Tensor grouped_rms_norm(const at::Tensor& x, const at::Tensor& weight, int64_t groups, float eps) {
+  const int64_t d = x.size(1), width = d / groups;
+  at::Tensor out = at::empty_like(x);
+  const float *v = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t start = 0; start < d; start += width) {
+    const float inv = 1.0f / std::sqrt(dot(v + start, v + start, width) / static_cast<float>(width) + eps);
+    for (int64_t j = start; j < start + width; ++j) o[j] = w[j] * (v[j] * inv);
+  }
+  return out;
+}
+
+inline void check_layers(at::TensorList list, int64_t layers, const char* name) {
+  TORCH_CHECK(static_cast<int64_t>(list.size()) == layers, "decode_model: ", name, " must hold one tensor per layer (",
+              layers, "), got ", list.size());
+}
+
+// One token through the whole language model at batch 1 (portable_ssm.lm.decode: the residual
+// blocks with their mixers' steps, norm_f and the head), from the embedded token x [1, d_model].
+// Layer i's in_proj output is [z, xBC, dt] (no gated MLP, no projection biases); its gated norm
+// follows the gate (norm_before_gate=False). Weights are float32, int8 (with row scales) or
+// bfloat16; every other tensor float32. Returns (logits [1, rows], new conv states, new ssm states).
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_model(
+    const at::Tensor& x, at::TensorList conv_states, at::TensorList ssm_states, at::TensorList norms,
+    at::TensorList in_weights, const c10::List<c10::optional<at::Tensor>>& in_scales, at::TensorList conv_weights,
+    const c10::List<c10::optional<at::Tensor>>& conv_biases, at::TensorList dt_biases, at::TensorList A_logs,
+    at::TensorList Ds, at::TensorList gate_norms, at::TensorList out_weights,
+    const c10::List<c10::optional<at::Tensor>>& out_scales, const at::Tensor& norm_f, const at::Tensor& head,
+    const c10::optional<at::Tensor>& head_scale, double eps, double low, double high, int64_t ngroups,
+    int64_t headdim) {
+  const int64_t layers = conv_states.size();
+  check_f32(x, "x", 2);
+  TORCH_CHECK(x.size(0) == 1, "decode_model: x must be one row [1, d_model], got ", x.sizes());
+  for (auto [list, name] : {std::pair{ssm_states, "ssm_states"}, {norms, "norms"}, {in_weights, "in_weights"},
+                            {conv_weights, "conv_weights"}, {dt_biases, "dt_biases"}, {A_logs, "A_logs"}, {Ds, "Ds"},
+                            {gate_norms, "gate_norms"}, {out_weights, "out_weights"}}) {
+    check_layers(list, layers, name);
+  }
+  TORCH_CHECK(static_cast<int64_t>(in_scales.size()) == layers && static_cast<int64_t>(conv_biases.size()) == layers &&
+              static_cast<int64_t>(out_scales.size()) == layers,
+              "decode_model: in_scales, conv_biases and out_scales must hold one entry per layer (", layers, ")");
+  const float e = static_cast<float>(eps);
+  std::vector<at::Tensor> convs, ssms;
+  at::Tensor residual = x, hidden;
+  for (int64_t i = 0; i < layers; ++i) {
+    if (i > 0) residual = residual + hidden;
+    check_f32(norms[i], "norms[i]", 1); check_f32(gate_norms[i], "gate_norms[i]", 1);
+    TORCH_CHECK(norms[i].size(0) == x.size(1), "decode_model: norms[", i, "] must be [", x.size(1), "]");
+    const at::Tensor zxbcdt = row_gemv(grouped_rms_norm(residual, norms[i], 1, e), in_weights[i], in_scales.get(i));
+    const int64_t h = dt_biases[i].size(0), d_inner = h * headdim, conv_dim = conv_weights[i].size(0);
+    TORCH_CHECK(zxbcdt.size(1) == d_inner + conv_dim + h && gate_norms[i].size(0) == d_inner,
+                "decode_model: layer ", i, "'s in_proj gives ", zxbcdt.size(1), " outputs, not [z, xBC, dt] = ",
+                d_inner + conv_dim + h);
+    auto [y, conv, ssm] = decode_step(
+        zxbcdt.narrow(1, d_inner, conv_dim), zxbcdt.narrow(1, d_inner + conv_dim, h), zxbcdt.narrow(1, 0, d_inner),
+        conv_states[i], ssm_states[i], conv_weights[i].reshape({conv_dim, -1}), conv_biases.get(i), dt_biases[i],
+        -at::exp(A_logs[i]), Ds[i], low, high, ngroups, headdim);
+    hidden = row_gemv(grouped_rms_norm(y, gate_norms[i], ngroups, e), out_weights[i], out_scales.get(i));
+    convs.push_back(std::move(conv));
+    ssms.push_back(std::move(ssm));
+  }
+  check_f32(norm_f, "norm_f", 1);
+  const at::Tensor out = grouped_rms_norm(layers > 0 ? residual + hidden : x, norm_f, 1, e);
+  return {row_gemv(out, head, head_scale), convs, ssms};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(portable_ssm_cpu, m) {
@@ -262,10 +329,16 @@ TORCH_LIBRARY(portable_ssm_cpu, m) {
   m.def("decode_step(Tensor xBC, Tensor dt, Tensor z, Tensor conv_state, Tensor ssm_state, Tensor conv_weight, "
         "Tensor? conv_bias, Tensor dt_bias, Tensor A, Tensor D, float low, float high, int ngroups, int headdim) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("decode_model(Tensor x, Tensor[] conv_states, Tensor[] ssm_states, Tensor[] norms, Tensor[] in_weights, "
+        "Tensor?[] in_scales, Tensor[] conv_weights, Tensor?[] conv_biases, Tensor[] dt_biases, Tensor[] A_logs, "
+        "Tensor[] Ds, Tensor[] gate_norms, Tensor[] out_weights, Tensor?[] out_scales, Tensor norm_f, Tensor head, "
+        "Tensor? head_scale, float eps, float low, float high, int ngroups, int headdim) "
+        "-> (Tensor, Tensor[], Tensor[])");
 }
 TORCH_LIBRARY_IMPL(portable_ssm_cpu, CPU, m) {
   m.impl("row_gemv", &row_gemv);
   m.impl("decode_step", &decode_step);
+  m.impl("decode_model", &decode_model);
 }
 """
 
@@ -307,6 +380,7 @@ def _build() -> bool:
         return False
     torch.library.register_fake("portable_ssm_cpu::row_gemv")(_row_gemv_shape)
     torch.library.register_fake("portable_ssm_cpu::decode_step")(_decode_step_shapes)
+    torch.library.register_fake("portable_ssm_cpu::decode_model")(_decode_model_shapes)
     return True
 
 
@@ -317,6 +391,13 @@ def _row_gemv_shape(row: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 def _decode_step_shapes(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state: torch.Tensor,
                         ssm_state: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return z.new_empty(z.shape), conv_state.new_empty(conv_state.shape), ssm_state.new_empty(ssm_state.shape)
+
+
+def _decode_model_shapes(x: torch.Tensor, conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor],
+                         *rest: Any) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    head = rest[12]
+    return (x.new_empty((1, head.shape[0])), [c.new_empty(c.shape) for c in conv_states],
+            [h.new_empty(h.shape) for h in ssm_states])
 
 
 def ensure() -> bool:
@@ -357,3 +438,38 @@ def decode_step(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state
         xBC.contiguous(), dt.contiguous(), z.contiguous(), conv_state.contiguous(), ssm_state.contiguous(),
         conv_weight.contiguous(), None if conv_bias is None else conv_bias.contiguous(), dt_bias.contiguous(),
         A.contiguous(), D.contiguous(), float(low), float(high), ngroups, headdim)
+
+
+class ModelWeights(NamedTuple):
+    """A language model's tensors as :func:`decode_model` reads them, one entry per layer in each
+    list (``in_scales`` / ``out_scales``: int8 row scales or None; ``conv_biases``: None without)."""
+
+    norms: list[torch.Tensor]
+    in_weights: list[torch.Tensor]
+    in_scales: list[torch.Tensor | None]
+    conv_weights: list[torch.Tensor]
+    conv_biases: list[torch.Tensor | None]
+    dt_biases: list[torch.Tensor]
+    A_logs: list[torch.Tensor]
+    Ds: list[torch.Tensor]
+    gate_norms: list[torch.Tensor]
+    out_weights: list[torch.Tensor]
+    out_scales: list[torch.Tensor | None]
+    norm_f: torch.Tensor
+    head: torch.Tensor
+    head_scale: torch.Tensor | None
+
+
+def decode_model(x: torch.Tensor, conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor],
+                 weights: ModelWeights, eps: float, dt_limit: tuple[float, float], ngroups: int,
+                 headdim: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """One decode step of a whole language model at batch 1 in one call: :func:`portable_ssm.lm.decode`
+    after the embedding (each layer's norm, in_proj, :func:`decode_step`, gated norm, out_proj and
+    residual, then norm_f and the head, the products through ``row_gemv``), for ``x [1, d_model]``
+    float32 and contiguous float32 tensors (the weights also int8 with row scales or bfloat16). The
+    variant it computes: in_proj's output ``[z, xBC, dt]`` (no gated MLP), no projection biases, the
+    gated norm after the gate. Returns ``(logits [1, rows], new conv states, new ssm states)``; the
+    inputs are left untouched."""
+    low, high = dt_limit
+    return torch.ops.portable_ssm_cpu.decode_model(x, conv_states, ssm_states, *weights, float(eps), float(low),
+                                                   float(high), ngroups, headdim)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ._array import Array, Namespace, dtype_name, is_traced
 from ._checks import Shapes
+from .backends import fast_op
 from .config import Mamba2Config
 from .mixer import _linear, mixer, mixer_step
 from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, check_backends, pool_blocks, run_sequence
@@ -127,7 +128,14 @@ def prefill(input_ids: Array, state: Mamba2State | None, pad: Array | None, para
 
 def decode(token: Array, state: Mamba2State, params: Params, *, config: Mamba2Config,
            xp: Namespace) -> tuple[Array, Mamba2State]:
-    """:func:`logits_step` on checked arguments (what generation runs, compiled on JAX)."""
+    """:func:`logits_step` on checked arguments (what generation runs, compiled on JAX). A backend
+    may take the whole step after the embedding in one native call (``fast_op(xp, "decode_model")``
+    with ``(x [b, d_model], state, params, config)``, returning ``(logits, state)``, or None for
+    inputs it does not take); the array-API stack below is the reference it is tested against."""
     x = embed(token, params, xp=xp)  # [b, d_model]
+    native = fast_op(xp, "decode_model")
+    fused = None if native is None else native(x, state, params, config)
+    if fused is not None:
+        return fused
     hidden, state = _blocks(x, params, config, state, mixer_step, xp=xp)
     return _linear(hidden, head_weight(params, config), None, xp=xp), state

@@ -1,6 +1,7 @@
 """The torch backend's CPU kernels (backends/torch_kernels.py): one decode row times a float32,
 int8 or bfloat16 weight equals the reference product, the fused decode step equals
-``decode_step_ref``, eager and compiled decode call both (compiled graphs without a break),
+``decode_step_ref``, the whole-model batch-1 step equals the array-API stack, eager and compiled
+decode call them (compiled graphs without a break),
 autograd and other shapes and dtypes keep torch's kernels and the array-API step, and a failed
 build or ``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on them with one warning."""
 
@@ -84,6 +85,7 @@ def test_eager_one_row_decode_runs_the_row_kernel_for_every_projection_and_the_h
     params = ps.quantize(ps.init_params(config, seed=0, backend="torch"), kind)
     ids = torch.from_numpy(np.random.default_rng(1).integers(0, 50, (1, 9)))
     _, state = ps.lm.logits(ids, params, config=config, return_state=True)
+    monkeypatch.delitem(backend.FAST_OPS, "decode_model")  # the per-layer step, for the variants it declines
     calls = _calls(monkeypatch)
     with torch.inference_mode():
         got, _ = ps.lm.logits_step(ids[:, -1], state, params, config=config)
@@ -225,6 +227,7 @@ def test_compiled_generation_traces_the_fused_step_and_gives_the_array_api_token
     config = ps.Mamba2Config(**_SMALL_LM)
     params = ps.init_params(config, seed=0, backend="torch")
     ids = torch.from_numpy(np.random.default_rng(2).integers(0, 50, (1, 5)))
+    monkeypatch.delitem(backend.FAST_OPS, "decode_model")  # the per-layer step, for the variants it declines
     calls = _count_fused_steps(monkeypatch)
     with torch.inference_mode():
         got, got_state = ps.generation.generate(ids, params, config=config, max_new_tokens=6, compile=True,
@@ -273,3 +276,133 @@ def test_kernels_off_by_environment_variable_never_build(monkeypatch):
     row = _matrix(1, 16, seed=1)
     out = backend.quantized_matmul(row, q)  # torch's weight-only int8 kernel
     assert rel_err(out.numpy(), quantized_matmul_ref(row, q, xp=backend.xp).numpy()) < 2e-5
+
+
+#: The array-API reference of a decode step: the core with none of the torch backend's decode hooks.
+_DECODE_HOOKS = ("decode_model", "decode_step", "decode_linear", "quantized_matmul")
+
+
+def _reference_step(monkeypatch, token, state, params, config):
+    with monkeypatch.context() as m:
+        for name in _DECODE_HOOKS:
+            m.delitem(backend.FAST_OPS, name)
+        return ps.lm.logits_step(token, state, params, config=config)
+
+
+def _count_model_steps(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = torch_kernels.decode_model
+    monkeypatch.setattr(torch_kernels, "decode_model", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@requires_kernel
+@pytest.mark.parametrize("kind", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("variant", [
+    dict(),  # mamba2-130m's layout, small
+    dict(ngroups=2, D_has_hdim=True, conv_bias=False, dt_limit=(0.01, 0.3), tie_embeddings=False),
+    dict(d_state=13, headdim=5, d_model=20, n_layer=3),  # the 8-wide loops' scalar tails
+])
+def test_whole_model_step_equals_the_array_api_stack_for_every_weight_kind(kernel, monkeypatch, kind, variant):
+    config = ps.Mamba2Config(**{**_SMALL_LM, "ngroups": 1, **variant})
+    params = ps.quantize(ps.init_params(config, seed=3, backend="torch"), kind)
+    ids = torch.from_numpy(np.random.default_rng(4).integers(0, 50, (1, 11)))
+    _, state = ps.lm.logits(ids, params, config=config, return_state=True)
+    calls = _count_model_steps(monkeypatch)
+    with torch.inference_mode():
+        got, got_state = ps.lm.logits_step(ids[:, -1], state, params, config=config)
+    assert calls == [1]
+    want, want_state = _reference_step(monkeypatch, ids[:, -1], state, params, config)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert rel_err(got.numpy(), want.numpy()) < 2e-6
+    for g_, w in zip(got_state.ssm + got_state.conv, want_state.ssm + want_state.conv):
+        assert g_.shape == w.shape and rel_err(g_.numpy(), w.numpy()) < 2e-6
+
+
+@requires_kernel
+@pytest.mark.parametrize("change", ["two rows", "float64", "autograd", "gated MLP", "norm before gate",
+                                    "no norm", "projection bias", "strided weight"])
+def test_whole_model_hook_declines_what_it_does_not_compute_and_the_core_runs(kernel, monkeypatch, change):
+    fields = {"gated MLP": dict(d_ssm=32, expand=4), "norm before gate": dict(norm_before_gate=True),
+              "no norm": dict(rmsnorm=False), "projection bias": dict(bias=True)}.get(change, {})
+    config = ps.Mamba2Config(**{**_SMALL_LM, **fields})
+    params = ps.init_params(config, seed=0, backend="torch", dtype="float64" if change == "float64" else "float32")
+    if change == "autograd":
+        params = {k: v.requires_grad_() for k, v in params.items()}
+    if change == "strided weight":
+        w = params["layers.1.mixer.out_proj.weight"]
+        params["layers.1.mixer.out_proj.weight"] = w.T.contiguous().T  # equal values, column-major
+    ids = torch.from_numpy(np.random.default_rng(5).integers(0, 50, (2 if change == "two rows" else 1, 6)))
+    _, state = ps.lm.logits(ids, params, config=config, return_state=True)
+    calls = _count_model_steps(monkeypatch)
+    got, _ = ps.lm.logits_step(ids[:, -1], state, params, config=config)
+    assert calls == []
+    want, _ = _reference_step(monkeypatch, ids[:, -1], state, params, config)
+    assert rel_err(got.detach().numpy(), want.detach().numpy()) < 1e-5
+    if change == "autograd":
+        got.sum().backward()  # the core's step, recorded
+        assert params["layers.0.mixer.in_proj.weight"].grad is not None
+
+
+@requires_kernel
+def test_whole_model_hook_sees_a_replaced_weight_and_frees_dropped_params(kernel):
+    import gc
+    import weakref
+
+    config = ps.Mamba2Config(**_SMALL_LM)
+    params = ps.init_params(config, seed=0, backend="torch")
+    token = torch.tensor([3])
+    state = ps.empty_state(config, 1, params["embedding.weight"])
+    with torch.inference_mode():
+        first, _ = ps.lm.logits_step(token, state, params, config=config)
+        scaled = {**params, "norm_f.weight": 2 * params["norm_f.weight"]}  # a new dict, one new tensor
+        second, _ = ps.lm.logits_step(token, state, scaled, config=config)
+        params["norm_f.weight"] = scaled["norm_f.weight"]  # the same dict, its entry replaced
+        third, _ = ps.lm.logits_step(token, state, params, config=config)
+    torch.testing.assert_close(second, 2 * first)
+    torch.testing.assert_close(third, second)
+    probe = weakref.ref(params["layers.0.mixer.in_proj.weight"])
+    del params, scaled
+    gc.collect()
+    assert probe() is None  # the hook's memory of the last params holds no tensor
+
+
+@requires_kernel
+def test_whole_model_kernel_refuses_lists_of_the_wrong_length(kernel):
+    config = ps.Mamba2Config(**_SMALL_LM)
+    params = ps.init_params(config, seed=0, backend="torch")
+    weights = backend._model_weights(params, config)
+    state = ps.empty_state(config, 1, params["embedding.weight"])
+    x = torch.zeros(1, config.d_model)
+    short = weights._replace(gate_norms=weights.gate_norms[:1])
+    with pytest.raises(RuntimeError, match="gate_norms must hold one tensor per layer"):
+        kernel.decode_model(x, list(state.conv), list(state.ssm), short, 1e-5, (0.0, 1.0), 2, 16)
+    with pytest.raises(RuntimeError, match="x must be one row"):
+        kernel.decode_model(torch.zeros(2, config.d_model), list(state.conv), list(state.ssm), weights, 1e-5,
+                            (0.0, 1.0), 2, 16)
+
+
+@requires_kernel
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_eager_generation_runs_the_whole_model_step_once_a_token_and_both_give_the_array_api_tokens(
+        kernel, monkeypatch, compile):
+    config = ps.Mamba2Config(**_SMALL_LM)
+    params = ps.quantize(ps.init_params(config, seed=0, backend="torch"), "int8")
+    # a prompt above CPU_KERNEL_MAX_ROWS: both prefills dequantize (fbgemm would round 8-bit rows)
+    ids = torch.from_numpy(np.random.default_rng(2).integers(0, 50, (1, backend.CPU_KERNEL_MAX_ROWS + 3)))
+    calls = _count_model_steps(monkeypatch)
+    if compile:
+        torch._dynamo.reset()
+    with torch.inference_mode():
+        got, got_state = ps.generation.generate(ids, params, config=config, max_new_tokens=6, compile=compile,
+                                                return_state=True)
+    assert len(calls) == (0 if compile else 6)  # compiled: the per-layer step's graph (inductor's C++
+    # wrapper calls no op returning lists), which must give the same tokens
+    with monkeypatch.context() as m:
+        for name in _DECODE_HOOKS:
+            m.delitem(backend.FAST_OPS, name)
+        want, want_state = ps.generation.generate(ids, params, config=config, max_new_tokens=6, return_state=True)
+    assert torch.equal(got, want)
+    for g_, w in zip(got_state.ssm, want_state.ssm):
+        assert rel_err(g_.numpy(), w.numpy()) < 1e-5
