@@ -16,7 +16,7 @@ import itertools
 import json
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import array_api_compat.torch as xp
@@ -403,6 +403,16 @@ def _strong(r: Any) -> Any:
     return None if r is None else r()
 
 
+def _each(fn: Callable[[Any], Any], weights: torch_kernels.ModelWeights) -> torch_kernels.ModelWeights:
+    """``weights`` with ``fn`` applied to every entry, those of the per-layer lists included."""
+    return torch_kernels.ModelWeights(*(list(map(fn, f)) if isinstance(f, list) else fn(f) for f in weights))
+
+
+def _entries(weights: torch_kernels.ModelWeights) -> Iterator[Any]:
+    """Every entry of ``weights``, those of the per-layer lists included, in order."""
+    return itertools.chain.from_iterable(f if isinstance(f, list) else [f] for f in weights)
+
+
 def _known_model_weights(params: dict[str, Any], config: Mamba2Config) -> torch_kernels.ModelWeights | None:
     """:func:`_model_weights`, remembered for the params last asked about (the same names and the
     same objects): gathering and checking a 24-layer model's tensors costs about 0.3 ms, a tenth of
@@ -410,16 +420,13 @@ def _known_model_weights(params: dict[str, Any], config: Mamba2Config) -> torch_
     key = (config, tuple(params), tuple(map(id, params.values())))
     refs = _PREPARED.get(key)
     if refs is not None:
-        weights = torch_kernels.ModelWeights(*(list(map(_strong, f)) if isinstance(f, list) else _strong(f)
-                                               for f in refs))
-        alive = all(r is None or r() is not None for f in refs for r in (f if isinstance(f, list) else [f]))
-        if alive:
+        weights = _each(_strong, refs)
+        if all(r is None or t is not None for r, t in zip(_entries(refs), _entries(weights))):
             return weights
     weights = _model_weights(params, config)
     _PREPARED.clear()
     if weights is not None:
-        _PREPARED[key] = torch_kernels.ModelWeights(*(list(map(_weak, f)) if isinstance(f, list) else _weak(f)
-                                                      for f in weights))
+        _PREPARED[key] = _each(_weak, weights)
     return weights
 
 
@@ -441,8 +448,7 @@ def decode_model(x: torch.Tensor, state: Mamba2State, params: dict[str, Any],
     weights = _known_model_weights(params, c)
     if weights is None:
         return None
-    if torch.is_grad_enabled() and _records_grad(x, *itertools.chain(*(f if isinstance(f, list) else [f]
-                                                                         for f in weights))):
+    if torch.is_grad_enabled() and _records_grad(x, *_entries(weights)):
         return None
     out, convs, ssms = torch_kernels.decode_model(
         x.contiguous(), [t.contiguous() for t in state.conv], [t.contiguous() for t in state.ssm], weights,

@@ -314,10 +314,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
         conv_states[i], ssm_states[i], conv_weights[i].reshape({conv_dim, -1}), conv_biases.get(i), dt_biases[i],
         -at::exp(A_logs[i]), Ds[i], low, high, ngroups, headdim);
     hidden = row_gemv(grouped_rms_norm(y, gate_norms[i], ngroups, e), out_weights[i], out_scales.get(i));
+    TORCH_CHECK(hidden.size(1) == x.size(1), "decode_model: layer ", i, "'s out_proj gives ", hidden.size(1),
+                " outputs, not d_model = ", x.size(1));
     convs.push_back(std::move(conv));
     ssms.push_back(std::move(ssm));
   }
   check_f32(norm_f, "norm_f", 1);
+  TORCH_CHECK(norm_f.size(0) == x.size(1), "decode_model: norm_f must be [", x.size(1), "], got ", norm_f.sizes());
   const at::Tensor out = grouped_rms_norm(layers > 0 ? residual + hidden : x, norm_f, 1, e);
   return {row_gemv(out, head, head_scale), convs, ssms};
 }
