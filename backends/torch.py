@@ -443,7 +443,7 @@ def decode_model(x: torch.Tensor, state: Mamba2State, params: dict[str, Any],
     c = config
     if c.d_mlp or not c.rmsnorm or c.norm_before_gate or x.shape[0] != 1 or torch.compiler.is_compiling():
         return None
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not torch_kernels.ensure():
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not _kernels_ready():
         return None
     weights = _known_model_weights(params, c)
     if weights is None:

@@ -398,7 +398,7 @@ def _decode_step_shapes(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, co
 
 def _decode_model_shapes(x: torch.Tensor, conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor],
                          *rest: Any) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    head = rest[12]
+    head = rest[ModelWeights._fields.index("head")]  # rest: the weights' fields, then the scalars
     return (x.new_empty((1, head.shape[0])), [c.new_empty(c.shape) for c in conv_states],
             [h.new_empty(h.shape) for h in ssm_states])
 

@@ -7,6 +7,7 @@ build or ``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on them with one warni
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -282,10 +283,16 @@ def test_kernels_off_by_environment_variable_never_build(monkeypatch):
 _DECODE_HOOKS = ("decode_model", "decode_step", "decode_linear", "quantized_matmul")
 
 
-def _reference_step(monkeypatch, token, state, params, config):
+@contextlib.contextmanager
+def _without_decode_hooks(monkeypatch):
     with monkeypatch.context() as m:
         for name in _DECODE_HOOKS:
             m.delitem(backend.FAST_OPS, name)
+        yield
+
+
+def _reference_step(monkeypatch, token, state, params, config):
+    with _without_decode_hooks(monkeypatch):
         return ps.lm.logits_step(token, state, params, config=config)
 
 
@@ -399,9 +406,7 @@ def test_eager_generation_runs_the_whole_model_step_once_a_token_and_both_give_t
                                                 return_state=True)
     assert len(calls) == (0 if compile else 6)  # compiled: the per-layer step's graph (inductor's C++
     # wrapper calls no op returning lists), which must give the same tokens
-    with monkeypatch.context() as m:
-        for name in _DECODE_HOOKS:
-            m.delitem(backend.FAST_OPS, name)
+    with _without_decode_hooks(monkeypatch):
         want, want_state = ps.generation.generate(ids, params, config=config, max_new_tokens=6, return_state=True)
     assert torch.equal(got, want)
     for g_, w in zip(got_state.ssm, want_state.ssm):
