@@ -19,6 +19,7 @@ import pytest
 import portable_ssm as ps
 from portable_ssm.bench import llama
 from portable_ssm.bench import runner as bench
+from portable_ssm.bench.quality import NEW_TOKENS, QualityRow, compare
 from portable_ssm.bench.report import Case, Row, write_results
 
 #: llama.cpp's convert_hf_to_gguf.py, for the test that runs real llama.cpp rows (read before the
@@ -338,6 +339,42 @@ def test_targets_compare_the_fastest_portable_row_with_llama_cpp_f32(tmp_path):
     assert "| 130m-lm | 1 | llama.cpp-f32 | 12.00 | 83 |" in text
     without = write_results([r for r in rows if "llama" not in r.backend], tmp_path / "b", []).read_text()
     assert "llama.cpp f32" not in without
+    graded = [QualityRow("numpy", "float32", 0.0, 64, 64, 64), QualityRow("llama.cpp-f32", "f32", 2e-7, 64, 64, 64),
+              QualityRow("torch-int8", "int8", 4.7e-3, 61, 60, 64)]
+    text = write_results(rows, tmp_path / "c", [], quality=graded).read_text()
+    assert ("- decode b=1: best portable_ssm float32 vs llama.cpp-f32 = 1.20x (numpy; target >= 1); quality on the "
+            "trained LM: numpy logits err 0.0e+00, 64/64 tokens equal; llama.cpp-f32 logits err 2.0e-07, 64/64 "
+            "tokens equal") in text
+    assert "(torch-int8; target >= 1); quality on the trained LM: torch-int8 logits err 4.7e-03, 61/64" in text
+    assert "| torch-int8 | int8 | 4.7e-03 | 61/64 | 60/64 |" in text[text.index("## Quality of the weights"):]
+
+
+def test_quality_counts_the_logits_error_up_to_the_first_differing_token():
+    np = pytest.importorskip("numpy")
+    ref_scores = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    scores = np.array([[1.0, 0.0], [0.0, 3.0], [9.0, 9.0], [9.0, 9.0]])  # differs from step 1 on
+    row = compare("x", "int8", np.array([0, 0, 0, 1]), scores, np.array([0, 1, 0, 0]), ref_scores,
+                  np.array([0, 1, 0, 1]))
+    assert row.logits_err == pytest.approx(2 / np.sqrt(2))  # steps 0 and 1 only: ‖(0, 2)‖ / ‖(1, 1)‖
+    assert (row.equal, row.on_pattern, row.total) == (2, 3, 4)
+
+
+def test_quick_quality_part_grades_each_decode_row_on_the_trained_lm(tmp_path, request):
+    installed = _installed("numpy", "torch", "transformers", request=request)
+    if "torch" not in installed:
+        pytest.skip("the quality part trains its LM on torch")
+    out = tmp_path / "out"
+    assert bench.main(["--quick", "--only", "quality", "--out", str(out), "--backends",
+                       ",".join([*installed, "numpy-ref", "numpy-int8", "torch-bf16"])]) == 0
+    text = (out / "RESULTS.md").read_text()
+    assert "## Quality of the weights (a trained 2-layer d_model 32 LM, greedy decode)" in text
+    assert f"trained {bench.QUICK_TRAIN_STEPS} AdamW steps on torch" in text and "## Decode" not in text
+    table = text[text.index("## Quality of the weights"):]
+    assert _cells(table, "| numpy | float32 |")[2:4] == ["0.0e+00", f"{NEW_TOKENS}/{NEW_TOKENS}"]
+    assert float(_cells(table, "| torch | float32 |")[2]) < 1e-5
+    for name, kind in (("numpy-int8", "int8"), ("torch-bf16", "bfloat16")):
+        assert 0 < float(_cells(table, f"| {name} | {kind} |")[2]) < 3e-2
+    assert "| numpy-ref |" not in table and "| transformers |" not in table  # no decode rows of their own
 
 
 def test_llama_cpp_rows_run_the_same_weights_on_the_tiny_lm(tmp_path):
@@ -347,8 +384,8 @@ def test_llama_cpp_rows_run_the_same_weights_on_the_tiny_lm(tmp_path):
     if not LLAMA_CONVERT:
         pytest.skip(f"set {llama.CONVERT_ENV} to llama.cpp's convert_hf_to_gguf.py to run the llama.cpp rows")
     out = tmp_path / "out"
-    assert bench.main(["--quick", "--only", "prefill,decode", "--backends", "numpy,transformers", "--threads", "1",
-                       "--repeats", "2", "--out", str(out), "--llama-convert", LLAMA_CONVERT]) == 0
+    assert bench.main(["--quick", "--only", "prefill,decode,quality", "--backends", "numpy,transformers",
+                       "--threads", "1", "--repeats", "2", "--out", str(out), "--llama-convert", LLAMA_CONVERT]) == 0
     text = (out / "RESULTS.md").read_text()
     assert "- llama.cpp rows: llama-cpp-python " in text and "skipped" not in text
     tokens = f"{bench.DECODE_STEPS + 1}/{bench.DECODE_STEPS + 1}"
@@ -364,6 +401,10 @@ def test_llama_cpp_rows_run_the_same_weights_on_the_tiny_lm(tmp_path):
     assert abs(theirs - ours) / ours < 0.05, (ours, theirs)
     assert f"- prefill {bench.QUICK_PREFILL}: best portable_ssm / llama.cpp f32 = " in text
     assert "- decode b=1: best portable_ssm float32 vs llama.cpp-f32 = " in text
+    quality = text[text.index("## Quality of the weights"):]  # the trained LM's conversions, graded
+    for name, kind, bound in (("llama.cpp-f32", "f32", 1e-5), ("llama.cpp-f16", "f16", 1e-2),
+                              ("llama.cpp-q8_0", "q8_0", 5e-2)):
+        assert float(_cells(quality, f"| {name} | {kind} |")[2]) < bound, name
 
 
 def test_fresh_peak_measures_a_row_in_new_processes_with_and_without_its_call():

@@ -16,6 +16,8 @@ from portable_ssm.backends import fast_op, load
 import portable_ssm as ps
 from portable_ssm import quantized
 from portable_ssm._array import array_backend, dtype_name
+from portable_ssm.bench.quality import PATTERN_LM as TRAINED
+from portable_ssm.bench.quality import PERIOD, pattern, train_pattern_lm
 from portable_ssm.generation import generate
 from portable_ssm.lm import logits, logits_step
 from portable_ssm.quantized import QuantizedWeight, dequantize, quantized_matmul_ref
@@ -263,40 +265,17 @@ def test_load_pretrained_weights_option_quantizes_the_loaded_model(tmp_path, kin
 
 # --- quality on a trained model: random weights would exaggerate what rounding does ---
 
-TRAINED = ps.Mamba2Config(d_model=32, n_layer=2, d_state=16, headdim=16, vocab_size=16, chunk_size=32)
-PERIOD = 24
-
-
-def _pattern() -> np.ndarray:
-    """The repeating token sequence the model learns: 24 tokens from 16 (so one token is ambiguous
-    and the model must use its context)."""
-    return np.random.default_rng(0).integers(0, TRAINED.vocab_size, PERIOD)
-
-
 @pytest.fixture(scope="module")
 def trained_params():
-    """A 2-layer LM trained 150 AdamW steps (about 10 s on one idle core) to continue the pattern
-    from any offset: the float32 params as torch tensors, detached. Torch runs on one thread meanwhile
-    (the tests that use it too), as the model is too small to gain from more."""
+    """The benchmark's pattern LM (:func:`portable_ssm.bench.quality.train_pattern_lm`: 2 layers
+    trained 150 AdamW steps, about 10 s on one idle core) as float32 numpy params. Torch runs on one
+    thread meanwhile (the tests that use it too), as the model is too small to gain from more."""
     torch = pytest.importorskip("torch")
-    from portable_ssm.backends.torch import Mamba2LMModule
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = Mamba2LMModule(TRAINED, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rng, pattern = np.random.default_rng(1), _pattern()
-    for _ in range(150):
-        offsets = rng.integers(0, PERIOD, 8)
-        seq = torch.from_numpy(pattern[(offsets[:, None] + np.arange(33)) % PERIOD])  # [8, 33]
-        out = model(seq[:, :-1])  # [8, 32, 16]
-        loss = torch.nn.functional.cross_entropy(out.reshape(-1, 16), seq[:, 1:].reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 0.2, f"the tiny LM did not learn its pattern (loss {loss.item():.3f})"
-    yield {k: v.detach() for k, v in model.params().items()}
+    params, loss = train_pattern_lm()
+    assert loss < 0.2, f"the tiny LM did not learn its pattern (loss {loss:.3f})"
+    yield params
     torch.set_num_threads(threads)
 
 
@@ -310,7 +289,7 @@ def test_trained_model_keeps_its_logits_and_greedy_tokens_with_low_precision_wei
     # agreement 1.0 everywhere. The bounds leave 2.4x (int8) and 2.9x (bf16) for other BLAS
     # summation orders and torch versions.
     params = ps.cast_params(trained_params, "float32", backend=backend)
-    ids = _pattern()[np.arange(80) % PERIOD][None]  # [1, 80]: three and a third periods
+    ids = pattern()[np.arange(80) % PERIOD][None]  # [1, 80]: three and a third periods
     ids = ps.to_backend(ids, backend)
     q = ps.quantize(params, kind)
     ref, out = (load(backend).to_numpy(logits(ids, p, config=TRAINED)) for p in (params, q))
@@ -321,7 +300,7 @@ def test_trained_model_keeps_its_logits_and_greedy_tokens_with_low_precision_wei
            for p in (params, q)]
     assert np.mean(new[0] == new[1]) >= 0.95, f"{kind}: greedy agreement {np.mean(new[0] == new[1]):.3f}"
     # the float32 model learnt the pattern, so agreeing with it means continuing the pattern
-    assert np.mean(new[0] == _pattern()[np.arange(16, 80) % PERIOD]) >= 0.95
+    assert np.mean(new[0] == pattern()[np.arange(16, 80) % PERIOD]) >= 0.95
 
 
 def _stepped_logits(ids, params, backend: str) -> np.ndarray:
@@ -342,7 +321,7 @@ def test_trained_model_keeps_its_decode_step_logits_with_low_precision_weights(t
     # int8 and 0.0018 bf16 on NumPy and with torch's bf16 (fbgemm's float16 kernel, exact weights);
     # 0.0151 with torch's int8 (fbgemm also rounds the rows to 8 bits, as llama.cpp's q8_0 does)
     params = ps.cast_params(trained_params, "float32", backend=backend)
-    ids = ps.to_backend(_pattern()[np.arange(60) % PERIOD][None], backend)
+    ids = ps.to_backend(pattern()[np.arange(60) % PERIOD][None], backend)
     ref, out = (_stepped_logits(ids, p, backend) for p in (params, ps.quantize(params, kind)))
     err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
     assert err <= (3e-2 if (backend, kind) == ("torch", "int8") else 1e-2), f"{kind} decode logits error {err:.4f}"

@@ -203,22 +203,25 @@ class DecodeRun:
     weight_bytes: int | None
 
 
-def decode_run(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any) -> DecodeRun:
-    """A portable_ssm row's greedy decode of ``DECODE_STEPS + 1`` tokens after ``ids [b, PROMPT]``:
+def decode_run(backend: str, config: Mamba2Config, params: dict[str, Any], ids: Any, *,
+               new_tokens: int = DECODE_STEPS + 1, scores: list[Any] | None = None) -> DecodeRun:
+    """A portable_ssm row's greedy decode of ``new_tokens`` tokens after ``ids [b, l]``:
     :func:`portable_ssm.stream` (arguments checked once, then one unchecked decode step per token,
     as generation runs it; compiled on JAX, and through torch.compile for the ``torch-compile*``
     rows, ``compile=True``), under ``torch.inference_mode`` on torch, with the weight bytes a step
-    reads (:func:`weight_bytes`)."""
+    reads (:func:`weight_bytes`). With ``scores``, each token's logits ``[b, vocab]`` are appended
+    to it on the host (through ``logits_processor``)."""
     from ..backends import to_backend
     from ..generation import stream
 
     name = decode_target(backend)[0]
     p = decode_params(backend, params)
     context = __import__("torch").inference_mode if name == "torch" else contextlib.nullcontext
+    record = {} if scores is None else {"logits_processor": lambda _, s: scores.append(host(s).copy()) or s}
 
     def tokens() -> Iterator[Any]:  # stream() checks and prefills when called: inside the first next()'s context
-        for token in stream(to_backend(ids, name), p, config=config, max_new_tokens=DECODE_STEPS + 1,
-                            compile=True if backend.startswith("torch-compile") else None):
+        for token in stream(to_backend(ids, name), p, config=config, max_new_tokens=new_tokens,
+                            compile=True if backend.startswith("torch-compile") else None, **record):
             yield host(token)  # on the host: the step is done (JAX dispatches asynchronously)
 
     return DecodeRun(tokens(), context, weight_bytes(p, config))

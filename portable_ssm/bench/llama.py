@@ -104,20 +104,24 @@ def weight_bytes(path: str) -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
 
 
-def greedy_run(model: Any, ids: Any) -> DecodeRun:
-    """``DECODE_STEPS + 1`` greedy tokens after the prompt ``ids [1, l]`` as a
+def greedy_run(model: Any, ids: Any, *, new_tokens: int = DECODE_STEPS + 1,
+               scores: list[Any] | None = None) -> DecodeRun:
+    """``new_tokens`` greedy tokens after the prompt ``ids [1, l]`` as a
     :class:`~portable_ssm.bench.calls.DecodeRun`: the first after one ``eval`` of the prompt, each
     later one after one ``eval`` of the last token plus the argmax; the weight bytes a step reads
-    (:func:`weight_bytes`)."""
+    (:func:`weight_bytes`). With ``scores``, each token's logits ``[1, vocab]`` are appended to it."""
 
     def tokens() -> Iterator[Any]:
         import numpy as np
 
-        token = int(np.argmax(last_logits(model, _prompt(ids))))
-        yield np.asarray([token])
-        for _ in range(DECODE_STEPS):
-            model.eval([token])
-            token = int(np.argmax(_logits(model)))
+        logits, token = last_logits(model, _prompt(ids)), None
+        for _ in range(new_tokens):
+            if token is not None:
+                model.eval([token])
+                logits = _logits(model)
+            if scores is not None:
+                scores.append(logits)
+            token = int(np.argmax(logits))
             yield np.asarray([token])
 
     return DecodeRun(tokens(), contextlib.nullcontext, weight_bytes(model.model_path))
@@ -127,7 +131,8 @@ def greedy_run(model: Any, ids: Any) -> DecodeRun:
 class LlamaCpp:
     """The llama.cpp rows of one run: ``converter`` (``convert_hf_to_gguf.py``), ``threads`` for
     ``n_threads`` and ``n_threads_batch``, and ``workdir`` for the converted files. A config is
-    converted once (its weights are ``init_params(config, seed=0)``, as every row's are)."""
+    converted once, with the params first given for it (``init_params(config, seed=0)`` for the
+    timed rows, as every row's are; the trained LM's for the quality part)."""
 
     converter: Path
     threads: int

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..config import Mamba2Config
 from ..ssd import choose_chunk_size
+from .quality import PATTERN_LM, REFERENCE, QualityRow
 
 FLOP_NOTE = ("FLOP count, per layer and token (multiply-add = 2): projections 2·d_model·(d_in_proj + "
              "d_inner) + SSD 2·(Q·g·n + Q·h·p + 2·h·p·n) with Q = portable_ssm's chunk size for l; conv, "
@@ -164,7 +165,9 @@ def _tables(rows: list[Row]) -> list[str]:
     decode = [r for r in rows if r.case.part == "decode"]
     if decode:
         out += ["## Decode (greedy; tokens/s = b / median step time)", "",
-                f"Memory bandwidth (streaming read): {_fmt(decode[0].bandwidth, '.1f')} GB/s.", "",
+                f"Memory bandwidth (streaming read): {_fmt(decode[0].bandwidth, '.1f')} GB/s. Tokens equal to ref: "
+                "greedy tokens equal to transformers' (numpy's without it) on these random weights, which amplify "
+                "any rounding, so low-precision rows part early; the quality part grades them on a trained LM.", "",
                 "| model | b | backend | ms / step | tokens/s | x transformers | weight MB / step | GB/s "
                 "| % bandwidth | peak MiB | process MiB | tokens equal to ref |", "|" + "---|" * 12]
         for r in decode:
@@ -221,7 +224,7 @@ def plot_scaling(curves: dict[str, list[tuple[int, float]]], path: Path) -> None
     plt.close(fig)
 
 
-def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]]) -> list[str]:
+def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]], quality: list[QualityRow]) -> list[str]:
     lines = []
     for r in rows:
         where = f"{r.case.name} l={r.case.length}"
@@ -236,7 +239,7 @@ def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]]) -> lis
             rate = forward_flops(r.case.config, 1, 8192) / r.seconds / 1e9
             lines.append(f"numpy forward {where}: {100 * rate / r.sgemm:.1f}% of sgemm ({rate:.1f} of "
                          f"{r.sgemm:.1f} GFLOP/s; target >= 65%)")
-    lines += _llama_targets(rows)
+    lines += _llama_targets(rows, quality)
     for backend, pts in curves.items():
         times = dict(pts)
         if 2048 in times and 32768 in times:
@@ -252,10 +255,11 @@ DECODE_PAIRS = (("float32", PORTABLE, "llama.cpp-f32"),
                 ("bfloat16", ("numpy-bf16", "torch-bf16", "torch-compile-bf16"), "llama.cpp-f16"))
 
 
-def _llama_targets(rows: list[Row]) -> list[str]:
+def _llama_targets(rows: list[Row], quality: list[QualityRow]) -> list[str]:
     """Issue 14's goals against llama.cpp, where a case has its row: the fastest portable_ssm row's
     speed over llama.cpp's (llama.cpp's time / portable_ssm's); prefill against f32, decode at each
-    weight precision against llama.cpp's of the same size."""
+    weight precision against llama.cpp's of the same size, with both rows' quality on the trained
+    LM where the quality part ran."""
     lines = []
     for case in dict.fromkeys(r.case for r in rows if r.backend.startswith("llama.cpp")):
         pairs = DECODE_PAIRS if case.part == "decode" else DECODE_PAIRS[:1]
@@ -269,14 +273,30 @@ def _llama_targets(rows: list[Row]) -> list[str]:
             if case.part == "prefill":
                 lines.append(f"prefill {case.length}: best portable_ssm / llama.cpp f32 = {speed}; target >= 1.5)")
             elif case.batch == 1:
-                lines.append(f"decode b=1: best portable_ssm {precision} vs {theirs} = {speed}; target >= 1)")
+                graded = {q.backend: q for q in quality if q.backend in (best.backend, theirs)}
+                grades = "; ".join(f"{q.backend} logits err {q.logits_err:.1e}, {q.equal}/{q.total} tokens equal"
+                                   for q in graded.values())
+                lines.append(f"decode b=1: best portable_ssm {precision} vs {theirs} = {speed}; target >= 1)"
+                             + (f"; quality on the trained LM: {grades}" if grades else ""))
     return lines
 
 
-def write_results(rows: list[Row], out: Path, notes: list[str], *, append: bool = False) -> Path:
+def _quality_table(quality: list[QualityRow]) -> list[str]:
+    c = PATTERN_LM
+    return [f"## Quality of the weights (a trained {c.n_layer}-layer d_model {c.d_model} LM, greedy decode)", "",
+            f"Against {REFERENCE} with float32 weights: logits err ‖Δ‖/‖ref‖ over the steps up to the first "
+            "differing token; tokens equal to that reference's; tokens continuing the learnt sequence.", "",
+            "| backend | weights | logits rel err | tokens equal to float32 | tokens continuing the pattern |",
+            "|" + "---|" * 5] + [f"| {q.backend} | {q.weights} | {q.logits_err:.1e} | {q.equal}/{q.total} "
+                                 f"| {q.on_pattern}/{q.total} |" for q in quality] + [""]
+
+
+def write_results(rows: list[Row], out: Path, notes: list[str], *, append: bool = False,
+                  quality: list[QualityRow] | None = None) -> Path:
     """Writes ``RESULTS.md`` (and ``scaling.png`` when there are length rows and matplotlib) into ``out``; with
     ``append``, adds the run as one section at the end of the existing RESULTS.md instead (its
-    headings one level down, no plot)."""
+    headings one level down, no plot). ``quality``: the quality part's rows, tabled after decode."""
+    quality = quality or []
     out.mkdir(parents=True, exist_ok=True)
     path = out / "RESULTS.md"
     if append and not path.exists():
@@ -294,7 +314,8 @@ def write_results(rows: list[Row], out: Path, notes: list[str], *, append: bool 
     plot = bool(curves) and not append and importlib.util.find_spec("matplotlib") is not None
     if curves and not append and not plot:
         text.append("- scaling.png not written: matplotlib is not installed (pip install matplotlib)")
-    text += ["", FLOP_NOTE, ""] + _targets(rows, curves) + _tables(rows)
+    text += ["", FLOP_NOTE, ""] + _targets(rows, curves, quality) + _tables(rows)
+    text += _quality_table(quality) if quality else []
     if curves:
         text += _scaling_table(curves, plot=plot)
     if append:

@@ -9,10 +9,13 @@ One run builds identical random weights for portable_ssm and, when installed, tr
   position's logits, at batch 1;
 - ``decode``: tokens/s of a mamba2-130m-shaped random LM at batch 1 and 8 (``logits_step``
   against transformers' cached ``generate``);
-- ``scaling``: the 130m-layer rows alone, for the time-vs-length table and plot.
+- ``scaling``: the 130m-layer rows alone, for the time-vs-length table and plot;
+- ``quality``: each decode row's logits error and greedy agreement against float32 weights on a
+  small LM trained for it (:mod:`portable_ssm.bench.quality`; needs torch).
 
 With llama-cpp-python installed and llama.cpp's converter given (``--llama-convert``), the prefill
-and batch-1 decode parts also time llama.cpp on the same weights (:mod:`portable_ssm.bench.llama`).
+and batch-1 decode parts also time llama.cpp on the same weights (:mod:`portable_ssm.bench.llama`),
+and the quality part decodes the trained LM's conversions.
 
 It reports medians, ratios to transformers measured in the same run, GFLOP/s against this
 machine's sgemm rate (numpy float32 matmul, timed in the same rounds), peak memory and time-vs-length scaling,
@@ -53,9 +56,10 @@ from .calls import (
 )
 from .llama import CONVERT_ENV, ROWS, LlamaCpp, greedy_run, prefill_calls, thread_count, unavailable
 from .peak import fresh_peak_mib
+from .quality import TRAIN_STEPS, QualityRow, quality_notes, quality_rows, train_pattern_lm
 from .report import Case, Row, proc_kib, write_results
 
-PARTS = ("forward", "train", "prefill", "decode", "scaling")
+PARTS = ("forward", "train", "prefill", "decode", "scaling", "quality")
 BACKENDS = ("numpy", "numpy-ref", "torch", "torch-compile", "jax", "transformers", *QUANTIZED_DECODE)
 SEED = Mamba2Config(d_model=256, n_layer=2, expand=4, d_state=16, headdim=64)
 LAYER_130M = Mamba2Config(d_model=768, n_layer=1, d_state=128, headdim=64, expand=2)
@@ -310,6 +314,25 @@ def _set_threads(threads: int | None) -> list[str]:
     return notes
 
 
+#: Training steps of the quality part's LM in a ``--quick`` run (a smoke run: it need not learn).
+QUICK_TRAIN_STEPS = 20
+
+
+def quality(backends: list[str], llama: LlamaCpp | None, steps: int,
+            notes: list[str]) -> list[QualityRow]:
+    """The quality part: trains :data:`~portable_ssm.bench.quality.PATTERN_LM` ``steps`` steps and
+    compares every decode row of ``backends`` (and llama.cpp's, with ``llama``) on it; no rows,
+    with a note, without torch."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        notes.append("quality part skipped: training its LM needs torch")
+        return []
+    params, loss = train_pattern_lm(steps)
+    notes.extend(quality_notes(loss, steps))
+    return quality_rows(backends, params, llama)
+
+
 #: Where results go without ``--out``: a folder of its own, so no run replaces the committed
 #: ``benchmarks/RESULTS.md`` unless asked with ``--out benchmarks``.
 DEFAULT_OUT = Path("bench-out")
@@ -350,8 +373,8 @@ def _plain_progress(items: list[Any]) -> Any:
 def _llama(args: argparse.Namespace, parts: tuple[str, ...], notes: list[str],
            stack: contextlib.ExitStack) -> LlamaCpp | None:
     """The run's llama.cpp rows (converted files in a temporary folder that ``stack`` removes), or
-    None with a note saying why not, when the prefill or decode part runs."""
-    if not {"prefill", "decode"} & set(parts):
+    None with a note saying why not, when the prefill, decode or quality part runs."""
+    if not {"prefill", "decode", "quality"} & set(parts):
         return None
     why = unavailable(args.llama_convert, QUICK[2] if args.quick else LM_130M)
     if why is not None:
@@ -441,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.clock == "cpu":
         notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
     rows: list[Row] = []
+    graded: list[QualityRow] = []
     fresh = not args.quick if args.fresh_peak is None else args.fresh_peak
     if fresh:
         notes.append("peak MiB from fresh processes (python -m portable_ssm.bench.peak, one per row and call)")
@@ -451,8 +475,10 @@ def main(argv: list[str] | None = None) -> int:
                               sample_s=0.05 if args.quick else 1.0, llama=llama,
                               threads=thread_count(args.threads),
                               bandwidth_gib=1 / 16 if args.quick else 1.0, settle_s=0.0 if args.quick else SETTLE_S)
+        if "quality" in parts:
+            graded = quality(backends, llama, QUICK_TRAIN_STEPS if args.quick else TRAIN_STEPS, notes)
     for row in _progress([r for r in rows if r.backend in BACKENDS]) if fresh else []:  # not llama.cpp's
         row.fresh = fresh_peak_mib(row.case, row.backend)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    print(f"wrote {write_results(rows, out, notes, append=args.append)}")
+    print(f"wrote {write_results(rows, out, notes, append=args.append, quality=graded)}")
     return 0
