@@ -113,7 +113,9 @@ def test_gated_norm_matches_transformers_grouped_rmsnorm():
     rng = np.random.default_rng(0)
     y, z = rng.standard_normal((2, 5, 24)).astype(np.float32), rng.standard_normal((2, 5, 24)).astype(np.float32)
     weight = rng.standard_normal(24).astype(np.float32)
-    norm = mamba2.MambaRMSNormGated(24, group_size=8, eps=1e-5)
+    # The gated norm its mixer builds (d_inner 24 in 3 groups of 8), whatever transformers names its class.
+    cfg = ps.Mamba2Config(d_model=12, n_layer=1, d_state=4, headdim=8, ngroups=3, norm_eps=1e-5)
+    norm = mamba2.Mamba2Mixer(hf_config(cfg), layer_idx=0).norm
     with torch.no_grad():
         norm.weight.copy_(torch.from_numpy(weight))
         expected = norm(torch.from_numpy(y), torch.from_numpy(z)).numpy()
