@@ -73,9 +73,9 @@ TRAIN_MAX_LEN = 8192  # longer training rows need more memory than a CPU runner 
 #: The sgemm timed beside every forward and training case, in the same rounds (``[n, n] @ [n, n]``).
 SGEMM, SGEMM_N = "sgemm", 4096
 CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
-#: How long ``--quick`` took, measured once on the project's 2-core VM at load average 20-27
+#: How long ``--quick`` took, measured once on the project's quiet 2-core VM, the quality part included
 #: (``time portable-ssm bench --quick [--backends numpy]``; see README, "Benchmarks").
-QUICK_NOTE = "measured: about 145 s with every backend, 4 s with --backends numpy, on a quiet 2-core VM"
+QUICK_NOTE = "measured: about 200 s with every backend, 8 s with --backends numpy, on a quiet 2-core VM"
 
 
 def cases(parts: tuple[str, ...], quick: bool, max_len: int | None) -> list[Case]:
