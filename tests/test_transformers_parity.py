@@ -110,18 +110,18 @@ def test_ssd_step_matches_transformers_selective_state_update(g):
 def test_gated_norm_matches_transformers_grouped_rmsnorm():
     from portable_ssm.norm import gated_rms_norm
 
-    rng = np.random.default_rng(0)
-    y, z = rng.standard_normal((2, 5, 24)).astype(np.float32), rng.standard_normal((2, 5, 24)).astype(np.float32)
-    weight = rng.standard_normal(24).astype(np.float32)
     # The gated norm its mixer builds (d_inner 24 in 3 groups of 8), whatever transformers names its class.
     cfg = ps.Mamba2Config(d_model=12, n_layer=1, d_state=4, headdim=8, ngroups=3, norm_eps=1e-5)
     norm = mamba2.Mamba2Mixer(hf_config(cfg), layer_idx=0).norm
+    rng = np.random.default_rng(0)
+    y, z = (rng.standard_normal((2, 5, cfg.d_inner)).astype(np.float32) for _ in range(2))
+    weight = rng.standard_normal(cfg.d_inner).astype(np.float32)
     with torch.no_grad():
         norm.weight.copy_(torch.from_numpy(weight))
         expected = norm(torch.from_numpy(y), torch.from_numpy(z)).numpy()
     import array_api_compat.numpy as xp
 
-    assert rel_err(gated_rms_norm(y, z, weight, 3, 1e-5, xp=xp), expected) <= 1e-6
+    assert rel_err(gated_rms_norm(y, z, weight, cfg.ngroups, cfg.norm_eps, xp=xp), expected) <= 1e-6
 
 
 def test_init_params_follow_the_transformers_parameter_layout():
