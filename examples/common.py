@@ -118,7 +118,11 @@ def setup_distributed(device: str) -> Dist:
 
 
 def teardown(dist: Dist) -> None:
+    """Leaves the job: every process waits at a barrier until the main one has finished its last
+    evaluation and checkpoint, then all destroy the process group together (a process tearing gloo
+    down while its peer is still busy can abort at exit)."""
     if dist.world > 1:
+        torch_dist.barrier()
         torch_dist.destroy_process_group()
 
 
