@@ -20,7 +20,7 @@ import portable_ssm as ps
 from portable_ssm.bench import llama
 from portable_ssm.bench import runner as bench
 from portable_ssm.bench.quality import NEW_TOKENS, QualityRow, compare
-from portable_ssm.bench.report import Case, Row, write_results
+from portable_ssm.bench.report import Case, Row, float32_ceiling, write_results
 
 #: llama.cpp's convert_hf_to_gguf.py, for the test that runs real llama.cpp rows (read before the
 #: fixture below hides it from the other tests).
@@ -347,6 +347,26 @@ def test_targets_compare_the_fastest_portable_row_with_llama_cpp_f32(tmp_path):
             "tokens equal") in text
     assert "(torch-int8; target >= 1); quality on the trained LM: torch-int8 logits err 4.7e-03, 61/64" in text
     assert "| torch-int8 | int8 | 4.7e-03 | 61/64 | 60/64 |" in text[text.index("## Quality of the weights"):]
+
+
+def test_training_targets_state_the_float32_ceiling_the_projections_set_at_the_measured_sgemm(tmp_path):
+    case = Case("train", "130m-layer", bench.LAYER_130M, 1, 2048)
+    # transformers takes 1.0 s; the projections of a 130m layer (d_model 768, in_proj 3352 wide,
+    # out_proj 1536 wide) over 2048 tokens, 3 products each, take 3·2·768·(3352 + 1536)·2048 FLOP,
+    # 0.4613 s at 100 GFLOP/s: no float32 step gains more than 1.0 / 0.4613 = 2.17x
+    rows = [Row(case, "torch", 0.5, 3, 0.5, None, ratio=2.0, sgemm=100.0),
+            Row(case, "torch-compile", 0.4, 2, 9.0, None, ratio=2.5, sgemm=200.0),
+            Row(case, "transformers", 1.0, 3, 1.0, None, ratio=1.0, sgemm=100.0)]
+    text = write_results(rows, tmp_path, []).read_text()
+    targets = text[text.index("## Targets"):text.index("## Training step")]
+    assert "- torch train 130m-layer l=2048: 2.00x transformers (target >= 3; float32 ceiling 2.17x)" in targets
+    # the same case with the sgemm twice as fast: the projections take half the time
+    assert "- torch-compile train 130m-layer l=2048: 2.50x transformers (target >= 3; float32 ceiling 4.34x)" in targets
+    assert "float32 ceiling of a training row: transformers' median / the time the projections'" in targets
+    assert float32_ceiling(dataclasses.replace(rows[0], sgemm=None)) is None
+    forward = write_results([dataclasses.replace(r, case=dataclasses.replace(case, part="forward")) for r in rows],
+                            tmp_path / "forward", []).read_text()
+    assert "ceiling" not in forward  # the bound is stated for training rows only
 
 
 def test_quality_counts_the_logits_error_up_to_the_first_differing_token():

@@ -30,6 +30,11 @@ FLOP_NOTE = ("FLOP count, per layer and token (multiply-add = 2): projections 2�
              "process MiB: that fresh process's whole VmHWM (interpreter, framework, weights, inputs). "
              "rel err: max |y - y_ref| / max |y_ref|, ref = "
              "transformers (numpy without it).")
+CEILING_NOTE = ("float32 ceiling of a training row: transformers' median / the time the projections' "
+                "matmuls alone take at the sgemm rate timed in the row's rounds (in_proj and out_proj of every "
+                "layer, forward and backward: 3 · 2·d_model·(d_in_proj + d_inner) per layer and token). No "
+                "float32 training step that multiplies at that rate gains more on transformers, whatever its "
+                "scan, norms and elementwise work cost.")
 #: The rows that are portable_ssm (the others: transformers, llama.cpp).
 PORTABLE = ("numpy", "numpy-ref", "torch", "torch-compile", "jax")
 
@@ -63,12 +68,30 @@ class Row:
     fresh: tuple[float, float] | None = None  # (peak MiB with one call, without it) of a fresh process
 
 
+def projection_flops(config: Mamba2Config, batch: int, length: int) -> float:
+    """FLOPs of the projections alone (in_proj and out_proj of every layer) in one forward over
+    ``[batch, length]``: the matmuls no implementation can skip."""
+    c = config
+    return float(c.n_layer * batch * length * 2 * c.d_model * (c.d_in_proj + c.d_inner))
+
+
 def forward_flops(config: Mamba2Config, batch: int, length: int) -> float:
-    """Model FLOPs of one forward over ``[batch, length]`` (see the module docstring)."""
+    """Model FLOPs of one forward over ``[batch, length]`` (see the module docstring): the
+    projections and the chunked scan's matmuls."""
     c, Q = config, choose_chunk_size(length)
-    proj = 2 * c.d_model * (c.d_in_proj + c.d_inner)
     ssd = 2 * (Q * c.ngroups * c.d_state + Q * c.nheads * c.headdim + 2 * c.nheads * c.headdim * c.d_state)
-    return float(c.n_layer * batch * length * (proj + ssd))
+    return projection_flops(config, batch, length) + float(c.n_layer * batch * length * ssd)
+
+
+def float32_ceiling(r: Row) -> float | None:
+    """The most a float32 training step of ``r``'s case can gain on transformers on this machine:
+    transformers' median over the time the projections' matmuls alone take (the forward product and
+    the two of the backward, 3x :func:`projection_flops`) at the sgemm rate timed in ``r``'s rounds.
+    None where the row has no sgemm or no transformers ratio."""
+    if r.sgemm is None or r.ratio is None:
+        return None
+    matmuls_s = 3 * projection_flops(r.case.config, r.case.batch, r.case.length) / (r.sgemm * 1e9)
+    return r.ratio * r.seconds / matmuls_s
 
 
 def proc_kib(path: str, field: str) -> int | None:
@@ -234,7 +257,9 @@ def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]], qualit
         if r.ratio is not None and r.case.part == "train" and r.backend in ("torch", "torch-compile"):
             aim = "target >= 3" if (r.case.name, r.case.length) == ("130m-layer", 2048) else "target >= 1.5"
             memory = "" if r.fresh is None else f", peak {r.fresh[0] - r.fresh[1]:.0f} MiB"
-            lines.append(f"{r.backend} train {where}: {r.ratio:.2f}x transformers ({aim}{memory})")
+            ceiling = float32_ceiling(r)
+            bound = "" if ceiling is None else f"; float32 ceiling {ceiling:.2f}x"
+            lines.append(f"{r.backend} train {where}: {r.ratio:.2f}x transformers ({aim}{memory}{bound})")
         if (r.case.part, r.case.name, r.case.length, r.backend) == ("forward", "130m-layer", 8192, "numpy"):
             rate = forward_flops(r.case.config, 1, 8192) / r.seconds / 1e9
             lines.append(f"numpy forward {where}: {100 * rate / r.sgemm:.1f}% of sgemm ({rate:.1f} of "
@@ -245,7 +270,12 @@ def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]], qualit
         if 2048 in times and 32768 in times:
             aim = "target <= 18" if backend in ("numpy", "torch", "jax") else "for comparison"
             lines.append(f"{backend}: t(32768)/t(2048) = {times[32768] / times[2048]:.1f} ({aim})")
-    return ["## Targets", ""] + [f"- {line}" for line in lines] + [""] if lines else []
+    if not lines:
+        return []
+    out = ["## Targets", ""] + [f"- {line}" for line in lines] + [""]
+    if any("float32 ceiling" in line for line in lines):
+        out += [CEILING_NOTE, ""]
+    return out
 
 
 #: Issue 14's decode comparisons: the portable_ssm rows of one weight precision, the llama.cpp row
