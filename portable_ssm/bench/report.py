@@ -248,7 +248,7 @@ def plot_scaling(curves: dict[str, list[tuple[int, float]]], path: Path) -> None
 
 
 def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]], quality: list[QualityRow]) -> list[str]:
-    lines = []
+    lines, ceilings = [], False
     for r in rows:
         where = f"{r.case.name} l={r.case.length}"
         if r.ratio is not None and r.case.part == "forward" and r.backend in ("numpy", "torch") and (
@@ -258,6 +258,7 @@ def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]], qualit
             aim = "target >= 3" if (r.case.name, r.case.length) == ("130m-layer", 2048) else "target >= 1.5"
             memory = "" if r.fresh is None else f", peak {r.fresh[0] - r.fresh[1]:.0f} MiB"
             ceiling = float32_ceiling(r)
+            ceilings |= ceiling is not None
             bound = "" if ceiling is None else f"; float32 ceiling {ceiling:.2f}x"
             lines.append(f"{r.backend} train {where}: {r.ratio:.2f}x transformers ({aim}{memory}{bound})")
         if (r.case.part, r.case.name, r.case.length, r.backend) == ("forward", "130m-layer", 8192, "numpy"):
@@ -272,10 +273,7 @@ def _targets(rows: list[Row], curves: dict[str, list[tuple[int, float]]], qualit
             lines.append(f"{backend}: t(32768)/t(2048) = {times[32768] / times[2048]:.1f} ({aim})")
     if not lines:
         return []
-    out = ["## Targets", ""] + [f"- {line}" for line in lines] + [""]
-    if any("float32 ceiling" in line for line in lines):
-        out += [CEILING_NOTE, ""]
-    return out
+    return ["## Targets", ""] + [f"- {line}" for line in lines] + [""] + ([CEILING_NOTE, ""] if ceilings else [])
 
 
 #: Issue 14's decode comparisons: the portable_ssm rows of one weight precision, the llama.cpp row
