@@ -125,9 +125,12 @@ def test_torch_native_conv_under_autograd_is_the_reference_with_its_gradients():
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("l", [1, 31, 32, 75])
-def test_numpy_tiled_conv_agrees_with_the_reference(with_state, dtype, l):
+def test_numpy_tiled_conv_agrees_with_the_reference(with_state, dtype, l, monkeypatch):
     import array_api_compat.numpy as nxp
     from portable_ssm.backends import fast_op
+    from portable_ssm.backends.numpy import ops
+
+    monkeypatch.setattr(ops, "TILE_ELEMENTS", 2 * 32 * 7)  # tiles of 32 steps of [2, 7]: l=75 spans three
 
     native = fast_op(nxp, "causal_conv1d")
     assert native is not None
@@ -143,11 +146,14 @@ def test_numpy_tiled_conv_agrees_with_the_reference(with_state, dtype, l):
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("l,k", [(1, 4), (2, 4), (33, 4), (75, 4), (40, 9)])
-def test_numpy_fused_conv_silu_agrees_with_the_conv_then_silu(with_state, dtype, l, k):
+def test_numpy_fused_conv_silu_agrees_with_the_conv_then_silu(with_state, dtype, l, k, monkeypatch):
     import array_api_compat.numpy as nxp
     from portable_ssm.backends import fast_op
+    from portable_ssm.backends.numpy import ops
 
     from portable_ssm._array import silu
+
+    monkeypatch.setattr(ops, "TILE_ELEMENTS", 2 * 32 * 7)  # tiles of 32 steps of [2, 7]: l=33 spans two
 
     native = fast_op(nxp, "causal_conv1d_silu")
     assert native is not None

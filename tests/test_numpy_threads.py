@@ -75,8 +75,9 @@ def test_linear_equals_the_matmul_for_one_range_and_split_rows(workers, m):
     assert rel_err(out, rows.astype(np.float64) @ weight.T.astype(np.float64)) < 1e-5
 
 
-def test_split_conv_and_norm_equal_their_references(workers):
-    b, l, d, k = 2, 300, 24, 4  # 10 conv tiles and 600 norm rows: several per worker
+def test_split_conv_and_norm_equal_their_references(workers, monkeypatch):
+    b, l, d, k = 2, 300, 24, 4
+    monkeypatch.setattr(ops, "TILE_ELEMENTS", b * 30 * d)  # 10 conv tiles of 30 steps, 10 norm tiles of 60 rows
     x, weight, bias, state = (_rng(seed).standard_normal(shape).astype(np.float32)
                               for seed, shape in ((3, (b, l, d)), (4, (d, k)), (5, (d,)), (6, (b, d, k))))
     y, last = ops.causal_conv1d_silu(x, weight, bias, state)
