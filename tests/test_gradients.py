@@ -149,3 +149,126 @@ def test_gradients_flow_through_a_carried_state_and_detach_state_cuts_them():
         assert torch.allclose(grad, constant[name], rtol=1e-12, atol=0.0), name
     changed = [n for n in full if not torch.allclose(detached[n], full[n], rtol=1e-6, atol=0.0)]
     assert "layers.0.mixer.in_proj.weight" in changed
+
+
+@pytest.fixture
+def scan_op_on_short_rows(monkeypatch):
+    """The torch backend's ``portable_ssm::ssd_scan`` op for rows of any length (the tests' are short)."""
+    from portable_ssm.backends import torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)
+
+
+def _scan_case(dtype, *, b=2, l=37, h=4, p=3, g=2, n=5, d_shape="h", initial=True, seed=0):
+    """Scan arguments as leaf tensors of ``dtype``: Δ > 0, A < 0, D of shape [h], [h, p] or None."""
+    rng = np.random.default_rng(seed)
+    host = dict(x=rng.standard_normal((b, l, h, p)), dt=rng.uniform(0.05, 0.8, (b, l, h)),
+                A=-np.exp(rng.uniform(-1.0, 1.0, h)), B=rng.standard_normal((b, l, g, n)),
+                C=rng.standard_normal((b, l, g, n)),
+                D={"h": rng.standard_normal(h), "hp": rng.standard_normal((h, p)), None: None}[d_shape],
+                initial_states=rng.standard_normal((b, h, p, n)) if initial else None)
+    return {k: None if v is None else _tensor(v, dtype) for k, v in host.items()}
+
+
+def _scan_grads(args, chunk_size, *, native, state_loss):
+    """Gradients of a probe of y (and of the final state with ``state_loss``) through the torch
+    backend's scan: its ``portable_ssm::ssd_scan`` op (``native``) or autograd of the reference."""
+    from portable_ssm.backends import torch as torch_backend
+
+    from portable_ssm import ssd
+
+    leaves = {k: None if v is None else v.detach().clone().requires_grad_() for k, v in args.items()}
+    if native:
+        y, final = torch_backend.ssd_chunked(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"],
+                                             chunk_size, leaves["initial_states"], D=leaves["D"])
+    else:
+        y, final = ssd.ssd_chunked_ref(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"],
+                                       chunk_size=chunk_size, initial_states=leaves["initial_states"],
+                                       xp=torch_backend.xp, D=leaves["D"])
+    (_probe(y) + (_probe(final, seed=2) if state_loss else 0)).backward()
+    return {k: v.grad for k, v in leaves.items() if v is not None}
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-12), (torch.float32, 2e-5)], ids=["float64", "float32"])
+@pytest.mark.parametrize("case", [
+    dict(chunk_size=8),  # 4 whole chunks and a short one; ngroups 2; D [h]; an initial state
+    dict(chunk_size=None, d_shape="hp", initial=False, g=1),  # one chunk; D [h, p]
+    dict(chunk_size=5, d_shape=None, b=1, l=12, state_loss=False),  # no D; y alone reaches the loss
+    dict(chunk_size=3, b=3, l=10, h=3, g=3),  # a group per head
+], ids=["chunks", "one-chunk-Dhp", "no-D-y-only", "head-per-group"])
+def test_cpu_training_scan_op_gives_the_references_autograd_gradients(monkeypatch, scan_op_on_short_rows, dtype,
+                                                                     rtol, case):
+    from portable_ssm.backends import torch_scan
+
+    case = dict(case)
+    chunk_size, state_loss = case.pop("chunk_size"), case.pop("state_loss", True)
+    calls = []
+    monkeypatch.setattr(torch_scan, "ssd_chunked_grad",
+                        lambda *a, _real=torch_scan.ssd_chunked_grad: calls.append(1) or _real(*a))
+    args = _scan_case(dtype, **case)
+    native = _scan_grads(args, chunk_size, native=True, state_loss=state_loss)
+    assert calls == [1], "the backward did not run through portable_ssm::ssd_scan_backward"
+    reference = _scan_grads(args, chunk_size, native=False, state_loss=state_loss)
+    assert native.keys() == reference.keys()
+    for name, grad in reference.items():
+        assert native[name].shape == grad.shape and native[name].dtype == grad.dtype, name
+        err = rel_err(native[name].numpy(), grad.numpy())
+        assert err < rtol, f"{name}: the op's gradient differs from the reference's autograd by {err:.2e}"
+
+
+def test_scan_op_gives_the_references_gradients_for_a_non_finite_input(scan_op_on_short_rows):
+    args = _scan_case(torch.float64, b=1, l=20, g=1)
+    x = args["x"].detach().clone()
+    x[0, 13, 1, 0] = float("inf")
+    args["x"] = x.requires_grad_()
+    native = _scan_grads(args, 8, native=True, state_loss=False)
+    reference = _scan_grads(args, 8, native=False, state_loss=False)
+    # y is linear in x, so x's gradient stays finite; Δ's is non-finite only where the inf reaches
+    assert bool(torch.isfinite(reference["x"]).all()) and bool(torch.isfinite(reference["dt"][0, :13]).all())
+    assert not bool(torch.isfinite(reference["dt"]).all())
+    for name, grad in reference.items():
+        np.testing.assert_allclose(native[name].numpy(), grad.numpy(), rtol=1e-12, atol=0, equal_nan=True,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("change", ["short rows", "seq_idx", "bfloat16", "mixed dtypes"])
+def test_scan_op_leaves_short_and_packed_rows_and_other_dtypes_to_the_reference(monkeypatch, change):
+    from portable_ssm.backends import torch as torch_backend
+    from portable_ssm.backends import torch_scan
+
+    monkeypatch.setattr(torch_scan, "ssd_chunked_grad", lambda *a: pytest.fail("the op took the scan"))
+    args = _scan_case(torch.float32, initial=False)
+    b, l = args["x"].shape[:2]
+    monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", b * l + (change == "short rows"))
+    seq_idx = torch.zeros((b, l), dtype=torch.int32) if change == "seq_idx" else None
+    if change == "bfloat16":
+        args = {k: None if v is None else v.detach().to(torch.bfloat16).requires_grad_() for k, v in args.items()}
+    if change == "mixed dtypes":
+        args["A"] = args["A"].detach().double().requires_grad_()
+    y, final = torch_backend.ssd_chunked(args["x"], args["dt"], args["A"], args["B"], args["C"], 8, None,
+                                         seq_idx=seq_idx, D=args["D"])
+    (y.float().sum() + final.float().sum()).backward()
+    assert all(v.grad is not None for v in args.values() if v is not None)
+
+
+def test_scan_op_takes_rows_of_the_threshold_length():
+    from portable_ssm.backends import torch as torch_backend
+
+    x = torch.zeros((2, torch_backend.SCAN_OP_MIN_TOKENS // 2, 4, 3), requires_grad=True)
+    rest = (torch.zeros(x.shape[:3]), torch.zeros(4), torch.zeros((*x.shape[:2], 1, 5)),
+            torch.zeros((*x.shape[:2], 1, 5)), None, None, torch.zeros(4))
+    assert torch_backend._scan_op_takes(x, *rest)
+    assert not torch_backend._scan_op_takes(x[:, 1:], *(t if t is None or t.ndim < 3 else t[:, 1:] for t in rest))
+
+
+def test_model_through_the_scan_op_passes_float64_gradcheck(scan_op_on_short_rows):
+    config = ps.Mamba2Config(d_model=4, n_layer=2, d_state=2, headdim=2, ngroups=2, chunk_size=3)
+    module = Mamba2Module(config, dtype=torch.float64, seed=3)
+    names = [n for n, _ in module.named_parameters()]
+    x = _tensor(np.random.default_rng(1).standard_normal((2, 8, 4)))  # 3 chunks a row
+
+    def run(x, *values):
+        return torch.func.functional_call(module, dict(zip(names, values)), (x,))
+
+    inputs = (x, *(p.detach().clone().requires_grad_() for p in module.parameters()))
+    assert torch.autograd.gradcheck(run, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)

@@ -290,10 +290,12 @@ def test_numpy_native_scan_hands_packed_rows_to_the_reference(monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_torch_cpu_inference_scan_is_numpys_native_scan_on_views(l, Q, g, initial, dtype, monkeypatch):
     """CPU tensors outside autograd take NumPy's chunk loop on zero-copy views (and come back as
-    torch tensors equal to the reference); where autograd records, the reference runs, with gradients."""
+    torch tensors equal to the reference); where autograd records, the ``portable_ssm::ssd_scan`` op,
+    whose forward is the same chunk loop, with gradients (tests/test_gradients.py compares them)."""
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as txp
     from portable_ssm.backends import fast_op
+    from portable_ssm.backends import torch as torch_backend
     from portable_ssm.backends.numpy import ops as numpy_ops
 
     from portable_ssm.ssd import ssd_chunked_ref
@@ -318,10 +320,12 @@ def test_torch_cpu_inference_scan_is_numpys_native_scan_on_views(l, Q, g, initia
     assert rel_err(final.numpy(), final_ref.numpy()) < (1e-5 if dtype == "float32" else 1e-12)
 
     args["x"].requires_grad_()
+    monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)  # these rows are short
     y_grad, _ = native(*(args[k] for k in order), Q, args["initial_states"], D=args["D"])
-    assert len(calls) == 1 and y_grad.requires_grad  # the reference, recorded by autograd
+    assert len(calls) == 2 and y_grad.requires_grad  # the op, recorded by autograd
+    np.testing.assert_array_equal(y_grad.detach().numpy(), y.numpy())
     (grad,) = torch.autograd.grad(y_grad.sum(), args["x"])
     assert torch.isfinite(grad).all()
     with torch.no_grad():  # grad mode off: the native scan again, though x requires grad
         native(*(args[k] for k in order), Q, args["initial_states"], D=args["D"])
-    assert len(calls) == 2
+    assert len(calls) == 3

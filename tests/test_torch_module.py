@@ -167,9 +167,39 @@ def test_torch_compile_traces_one_whole_graph_matching_eager_values_and_gradient
         assert rel_err(q.grad.numpy(), p.grad.numpy()) < 1e-5, name  # float32 sums in another order
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("checkpoint_blocks", [False, True])
+def test_compiled_training_keeps_the_scan_op_in_one_graph_with_the_references_gradients(monkeypatch,
+                                                                                     checkpoint_blocks):
+    from portable_ssm.backends import torch as torch_backend
+    from portable_ssm.backends import torch_scan
+
+    torch._dynamo.reset()
+    reference = Mamba2Module(CONFIG, seed=6)
+    _probe(reference(_x(2, 20, 16))).backward()  # 20 tokens a row: the reference (SCAN_OP_MIN_TOKENS)
+    monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)
+    calls = []
+    monkeypatch.setattr(torch_scan, "ssd_chunked_grad",
+                        lambda *a, _real=torch_scan.ssd_chunked_grad: calls.append(1) or _real(*a))
+    module = Mamba2Module(CONFIG, seed=6, checkpoint_blocks=checkpoint_blocks)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)  # any graph break raises
+    y = compiled(_x(2, 20, 16))
+    _probe(y).backward()
+    assert len(calls) == CONFIG.n_layer  # each layer's backward ran the op's
+    torch.testing.assert_close(y, reference(_x(2, 20, 16)), rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(reference.named_parameters(), module.parameters()):
+        assert rel_err(q.grad.numpy(), p.grad.numpy()) < 1e-4, name  # float32 sums in another order
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_compile_option_runs_inductors_code_matching_eager_values_and_gradients_without_recompiling():
+@pytest.mark.parametrize("scan_op", [False, True], ids=["reference-scan", "scan-op"])
+def test_compile_option_runs_inductors_code_matching_eager_values_and_gradients_without_recompiling(monkeypatch,
+                                                                                                  scan_op):
+    from portable_ssm.backends import torch as torch_backend
+
+    if scan_op:  # the portable_ssm::ssd_scan op inside inductor's graph (eager runs it too)
+        monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)
     torch._dynamo.reset()
     eager, module = Mamba2Module(CONFIG, seed=6), Mamba2Module(CONFIG, seed=6, compile=True)
     x = _x(2, 10, 16)
