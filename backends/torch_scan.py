@@ -53,7 +53,9 @@ def ssd_chunked_grad(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     suffix[..., :-1] = torch.cumsum(a_all[..., 1:].flip(-1), dim=-1).flip(-1)
     from_start = ssd.decay(acs_all, xp=xp)  # exp(acs_i)
     to_end = ssd.decay(suffix, xp=xp)  # exp(acs_last - acs_j)
+    fed_weight = to_end * step  # exp(acs_last - acs_j) Δ_j: what x_j feeds the leaving state
     chunk_decay = ssd.decay(acs_all[..., -1], xp=xp)  # [b, g, r, c]
+    decay_rows = chunk_decay.repeat_interleave(p, dim=2)  # repeated over each head's p columns, [b, g, r·p, c]
     above = torch.triu(x.new_full((Q, Q), -torch.inf), 1)  # -inf where j > i
 
     xg = x.reshape(b, l, g, r, p)
@@ -66,9 +68,9 @@ def ssd_chunked_grad(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
         entering[0] = initial_states.reshape(b, g, r, p, n).permute(0, 1, 4, 2, 3).reshape(b, g, n, rp)
     for i in range(c - 1):
         t0, t1 = i * Q, (i + 1) * Q
-        weight = (to_end[..., i, :] * step[..., i, :]).permute(0, 3, 1, 2)  # [b, Q, g, r]
+        weight = fed_weight[..., i, :].permute(0, 3, 1, 2)  # [b, Q, g, r]
         fed = (xg[:, t0:t1] * weight[..., None]).permute(0, 2, 1, 3, 4).reshape(b, g, Q, rp)  # [b, g, Q, r·p]
-        torch.mul(entering[i], chunk_decay[..., i].repeat_interleave(p, dim=-1)[:, :, None, :], out=entering[i + 1])
+        torch.mul(entering[i], decay_rows[..., i][:, :, None, :], out=entering[i + 1])
         entering[i + 1] += Bg[:, :, t0:t1].transpose(-1, -2) @ fed
 
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -86,7 +88,7 @@ def ssd_chunked_grad(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
         xh = xg[:, t0:t1].permute(0, 2, 3, 1, 4)  # [b, g, r, q, p]
         dyh = dy[:, t0:t1].reshape(b, q, g, r, p).permute(0, 2, 3, 1, 4)
         delta = step[..., i, :q]  # Δ [b, g, r, q]
-        fs, te = from_start[..., i, :q], to_end[..., i, :q]  # [b, g, r, q]
+        fs, te, v = from_start[..., i, :q], to_end[..., i, :q], fed_weight[..., i, :q]  # [b, g, r, q]
         S = entering[i]  # [b, g, n, r·p]
 
         # 1. the diagonal block: W = G ⊙ L ⊙ Δ_j on the lower triangle
@@ -116,18 +118,16 @@ def ssd_chunked_grad(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
         dS_in = Cc.transpose(-1, -2) @ dyf  # [b, g, n, r·p]
 
         # 3. the state's update: S_out = exp(acs_last) S + Σ_j exp(acs_last - acs_j) Δ_j B_j x_jᵀ
-        decay = chunk_decay[..., i]  # [b, g, r]
-        dS_in += decay.repeat_interleave(p, dim=-1)[:, :, None, :] * dS
-        dlast = decay * (dS * S).sum(dim=2).view(b, g, r, p).sum(dim=-1)  # [b, g, r]
+        dS_in += decay_rows[..., i][:, :, None, :] * dS
+        dlast = chunk_decay[..., i] * (dS * S).sum(dim=2).view(b, g, r, p).sum(dim=-1)  # [b, g, r]
         BdS = (Bc @ dS).view(b, g, q, r, p).permute(0, 1, 3, 2, 4)  # [b, g, r, q, p]
-        v = te * delta  # exp(acs_last - acs_j) Δ_j, [b, g, r, q]
         dxh += v[..., None] * BdS
         dv = (BdS * xh).sum(dim=-1)  # [b, g, r, q]
         dBc += (xh * v[..., None]).permute(0, 1, 3, 2, 4).reshape(b, g, q, rp) @ dS.transpose(-1, -2)
         ddelta += dv * te
-        fed = dv * v  # the gradient of each exp(acs_last - acs_j), [b, g, r, q]
-        dacs -= fed
-        dacs[..., q - 1] += dlast + fed.sum(dim=-1)
+        d_to_end = dv * v  # the gradient of each exponent acs_last - acs_j, [b, g, r, q]
+        dacs -= d_to_end
+        dacs[..., q - 1] += dlast + d_to_end.sum(dim=-1)
 
         # 4. the skip D
         if D is not None:

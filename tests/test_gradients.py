@@ -47,11 +47,18 @@ def test_scans_pass_float64_gradcheck_in_every_argument(scan, l, chunk_size):
     assert torch.autograd.gradcheck(run, tuple(args.values()), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
-def test_small_model_passes_float64_gradcheck_in_input_and_every_parameter():
-    config = ps.Mamba2Config(d_model=4, n_layer=2, d_state=2, headdim=2, ngroups=2)
+@pytest.mark.parametrize("scan_op", [False, True], ids=["reference-scan", "scan-op"])
+def test_small_model_passes_float64_gradcheck_in_input_and_every_parameter(monkeypatch, scan_op):
+    from portable_ssm.backends import torch as torch_backend
+
+    if scan_op:  # the portable_ssm::ssd_scan op on rows of 3 chunks
+        monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)
+    chunk = dict(chunk_size=3) if scan_op else {}
+    config = ps.Mamba2Config(d_model=4, n_layer=2, d_state=2, headdim=2, ngroups=2, **chunk)
     module = Mamba2Module(config, dtype=torch.float64, seed=3)
     names = [n for n, _ in module.named_parameters()]
-    x = _tensor(np.random.default_rng(0).standard_normal((1, 5, 4)))
+    shape = (2, 8, 4) if scan_op else (1, 5, 4)
+    x = _tensor(np.random.default_rng(0).standard_normal(shape))
 
     def run(x, *values):
         return torch.func.functional_call(module, dict(zip(names, values)), (x,))
@@ -260,15 +267,3 @@ def test_scan_op_takes_rows_of_the_threshold_length():
     assert torch_backend._scan_op_takes(x, *rest)
     assert not torch_backend._scan_op_takes(x[:, 1:], *(t if t is None or t.ndim < 3 else t[:, 1:] for t in rest))
 
-
-def test_model_through_the_scan_op_passes_float64_gradcheck(scan_op_on_short_rows):
-    config = ps.Mamba2Config(d_model=4, n_layer=2, d_state=2, headdim=2, ngroups=2, chunk_size=3)
-    module = Mamba2Module(config, dtype=torch.float64, seed=3)
-    names = [n for n, _ in module.named_parameters()]
-    x = _tensor(np.random.default_rng(1).standard_normal((2, 8, 4)))  # 3 chunks a row
-
-    def run(x, *values):
-        return torch.func.functional_call(module, dict(zip(names, values)), (x,))
-
-    inputs = (x, *(p.detach().clone().requires_grad_() for p in module.parameters()))
-    assert torch.autograd.gradcheck(run, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
