@@ -1,7 +1,8 @@
 """Autoregressive generation with a real cache: one chunked-scan prefill, then one recurrent step per token.
 
 The prompt ``[b, l]`` goes through the chunked scan once (:func:`portable_ssm.lm.prefill`, the
-last position's logits and the state); each new token then costs one decode step
+last position's logits and the state; the last layer computes its final state and last output
+alone, :func:`portable_ssm.ssd.ssd_last`); each new token then costs one decode step
 (:func:`portable_ssm.lm.decode`, as :func:`portable_ssm.lm.logits_step`) on the per-layer conv and SSM
 states, so memory per token is constant whatever the length. The tokens equal those of recomputing
 the full forward over the whole sequence at every step.

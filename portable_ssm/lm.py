@@ -122,7 +122,8 @@ def prefill(input_ids: Array, state: Mamba2State | None, pad: Array | None, para
     after the last token, state)``; ``pad [b]``: left-padding lengths or None (what generation runs,
     compiled on JAX)."""
     run = mixer if pad is None else partial(mixer, pad=pad)
-    hidden, state = run_sequence(embed(input_ids, params, xp=xp), params, config, state, run, xp=xp)
+    hidden, state = run_sequence(embed(input_ids, params, xp=xp), params, config, state, run, xp=xp,
+                                 last_only=True)  # [b, 1, d_model]
     return _linear(hidden[:, -1, :], head_weight(params, config), None, xp=xp), state
 
 

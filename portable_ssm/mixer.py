@@ -22,7 +22,7 @@ from .norm import gated_rms_norm, rms_norm_then_gate
 from .padding import padded_conv, unpadded_delta
 from .quantized import QuantizedWeight, quantized_matmul
 from .recurrence import recurrence_step
-from .ssd import ssd_chunked
+from .ssd import ssd_chunked, ssd_last
 from .ssm_inputs import heads_from_groups, skip_and_gate
 from .varlen import Varlen
 
@@ -63,6 +63,25 @@ def _split(zxbcdt: Array, c: Mamba2Config, *, xp: Namespace) -> tuple[Array | No
     m = 2 * c.d_mlp
     mlp, z, xBC, dt = _split_last(zxbcdt, (m, c.ssm_dim, c.conv_dim, c.nheads), xp=xp)
     return mlp if m else None, z, xBC, dt
+
+
+def _in_proj(u: Array, p: dict[str, Array], c: Mamba2Config, last_only: bool, *,
+             xp: Namespace) -> tuple[Array | None, Array, Array, Array]:
+    """in_proj of ``u [b, l, d_model]``, split as :func:`_split` does; with ``last_only`` the gated
+    MLP's and the gate's channels (the weight's first ``2·d_mlp + ssm_dim`` rows) for the last
+    position only, ``[b, 1, ...]`` (a quantized weight is projected whole, then cut)."""
+    weight, bias = p["in_proj.weight"], p.get("in_proj.bias")
+    if not last_only:
+        return _split(_linear(u, weight, bias, xp=xp), c, xp=xp)
+    if isinstance(weight, QuantizedWeight):
+        mlp, z, xBC, dt = _split(_linear(u, weight, bias, xp=xp), c, xp=xp)
+        return None if mlp is None else mlp[:, -1:, :], z[:, -1:, :], xBC, dt
+    gated = 2 * c.d_mlp + c.ssm_dim
+    head = _linear(u[:, -1:, :], weight[:gated, :], None if bias is None else bias[:gated], xp=xp)  # [b, 1, gated]
+    rest = _linear(u, weight[gated:, :], None if bias is None else bias[gated:], xp=xp)  # [b, l, conv_dim + h]
+    xBC, dt = _split_last(rest, (c.conv_dim, c.nheads), xp=xp)
+    mlp, z = (None, head) if not c.d_mlp else _split_last(head, (2 * c.d_mlp, c.ssm_dim), xp=xp)
+    return mlp, z, xBC, dt
 
 
 def _split_xbc(xBC: Array, c: Mamba2Config, *, xp: Namespace) -> tuple[Array, Array, Array]:
@@ -126,16 +145,19 @@ def _fused_decode(c: Mamba2Config, *, xp: Namespace) -> Any:
 def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | None,
           ssm_state: Array | None, *, xp: Namespace,
           seq_idx: Array | None = None, pad: Array | None = None,
-          varlen: Varlen | None = None) -> tuple[Array, Array, Array]:
+          varlen: Varlen | None = None, last_only: bool = False) -> tuple[Array, Array, Array]:
     """One Mamba-2 layer over a sequence: ``u [b, l, d_model]`` with layer params ``p`` (names
     relative to ``mixer.``). Returns ``(out [b, l, d_model], conv_state [b, conv_dim, k],
     ssm_state [b, h, p, n])``. ``seq_idx [b, l]``: run ids of packed sequences (the incoming
     states feed each row's first sequence, the returned ones are its last sequence's), or None.
     ``pad [b]``: each row's left-padding length (:mod:`portable_ssm.padding`), or None.
     ``varlen``: one packed row by cu_seqlens (:mod:`portable_ssm.varlen`), the states then
-    ``[n_seq, ...]`` in and out, one per sequence; or None."""
+    ``[n_seq, ...]`` in and out, one per sequence; or None. ``last_only`` (a prompt pass, without
+    seq_idx and varlen): ``out`` is the last position's alone, ``[b, 1, d_model]``; the scan then
+    computes the final state and one output (:func:`~portable_ssm.ssd.ssd_last`), and the gate's
+    projection, the norm and out_proj take one row."""
     b, l, _ = u.shape
-    mlp, z, xBC, dt = _split(_linear(u, p["in_proj.weight"], p.get("in_proj.bias"), xp=xp), c, xp=xp)
+    mlp, z, xBC, dt = _in_proj(u, p, c, last_only, xp=xp)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
     if pad is None:
         xBC, conv_state = causal_conv1d_silu(xBC, conv_w, p.get("conv1d.bias"), conv_state, xp=xp, seq_idx=seq_idx,
@@ -150,9 +172,14 @@ def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | No
     if pad is not None:
         step = unpadded_delta(step, pad, xp=xp)
     x, B, C = (xp.astype(v, cdtype, copy=False) for v in (x, B, C))
-    y, ssm_state = ssd_chunked(x, xp.astype(step, cdtype, copy=False), A, B, C, chunk_size=None,
-                               initial_states=ssm_state, seq_idx=seq_idx, D=D, xp=xp, varlen=varlen)
-    y = xp.reshape(y, (b, l, c.ssm_dim))  # [b, l, h, p] -> [b, l, ssm_dim]
+    if last_only:
+        y, ssm_state = ssd_last(x, xp.astype(step, cdtype, copy=False), A, B, C, initial_states=ssm_state,
+                                D=D, xp=xp)
+        y = xp.reshape(y, (b, 1, c.ssm_dim))  # [b, h, p] -> [b, 1, ssm_dim]
+    else:
+        y, ssm_state = ssd_chunked(x, xp.astype(step, cdtype, copy=False), A, B, C, chunk_size=None,
+                                   initial_states=ssm_state, seq_idx=seq_idx, D=D, xp=xp, varlen=varlen)
+        y = xp.reshape(y, (b, l, c.ssm_dim))  # [b, l, h, p] -> [b, l, ssm_dim]
     return _output(y, z, mlp, p, c, xp=xp), conv_state, ssm_state
 
 

@@ -173,8 +173,10 @@ def _layer(params: Params, i: int) -> dict[str, Array]:
 
 
 def _blocks(x: Array, params: Params, config: Mamba2Config, state: Mamba2State | None, run: Any, *,
-            xp: Namespace) -> tuple[Array, Mamba2State]:
-    """Pre-norm residual blocks then norm_f; ``run`` is ``mixer`` or ``mixer_step``."""
+            xp: Namespace, last_only: bool = False) -> tuple[Array, Mamba2State]:
+    """Pre-norm residual blocks then norm_f; ``run`` is ``mixer`` or ``mixer_step``. ``last_only``
+    (``run`` a mixer over ``x [b, l, d_model]``): the last layer gives only the last position's
+    output (``mixer(last_only=True)``), so the result is ``[b, 1, d_model]``."""
     c = config
     res_dtype = compute_dtype(xp, x.dtype) if c.residual_in_fp32 else x.dtype
     residual, hidden = None, x
@@ -185,9 +187,12 @@ def _blocks(x: Array, params: Params, config: Mamba2Config, state: Mamba2State |
         normed = rms_norm(residual, params[f"layers.{i}.norm.weight"], c.norm_eps, xp=xp)
         conv_i = None if state is None else state.conv[i]
         ssm_i = None if state is None else state.ssm[i]
-        hidden, conv_i, ssm_i = run(normed, _layer(params, i), c, conv_i, ssm_i, xp=xp)
+        last = {"last_only": True} if last_only and i == c.n_layer - 1 else {}
+        hidden, conv_i, ssm_i = run(normed, _layer(params, i), c, conv_i, ssm_i, xp=xp, **last)
         convs.append(conv_i)
         ssms.append(ssm_i)
+    if last_only:
+        residual = residual[:, -1:, :]  # [b, l, d_model] -> [b, 1, d_model], as the last layer's output
     out = rms_norm(residual + xp.astype(hidden, res_dtype, copy=False), params["norm_f.weight"], c.norm_eps, xp=xp)
     return out, Mamba2State(conv=tuple(convs), ssm=tuple(ssms))
 
@@ -210,17 +215,19 @@ BLOCK_TOKENS = 2048
 
 
 def run_sequence(x: Array, params: Params, config: Mamba2Config, state: Mamba2State | None, run: Any, *,
-                 xp: Namespace) -> tuple[Array, Mamba2State]:
+                 xp: Namespace, last_only: bool = False) -> tuple[Array, Mamba2State]:
     """:func:`_blocks` over ``x [b, l, d_model]``, in blocks of BLOCK_TOKENS tokens when ``run`` is
-    the plain mixer (packed ``seq_idx`` rows and wrapped layers run whole)."""
+    the plain mixer (packed ``seq_idx`` rows and wrapped layers run whole). ``last_only``: the
+    last position's output alone, ``[b, 1, d_model]`` (:func:`_blocks`)."""
     l = x.shape[1]
     if run is not mixer or l <= BLOCK_TOKENS:
-        return _blocks(x, params, config, state, run, xp=xp)
+        return _blocks(x, params, config, state, run, xp=xp, last_only=last_only)
     outputs = []
-    for start in range(0, l, BLOCK_TOKENS):
-        y, state = _blocks(x[:, start:start + BLOCK_TOKENS, :], params, config, state, run, xp=xp)
+    for start in range(0, l, BLOCK_TOKENS):  # with last_only each block's last position, of which the last is kept
+        y, state = _blocks(x[:, start:min(start + BLOCK_TOKENS, l), :], params, config, state, run, xp=xp,
+                           last_only=last_only)
         outputs.append(y)
-    return xp.concat(outputs, axis=1), state  # [b, l, d_model]
+    return outputs[-1] if last_only else xp.concat(outputs, axis=1), state  # [b, 1 or l, d_model]
 
 
 def forward(x: Array, params: Params | None = None, *, config: Mamba2Config | None = None,

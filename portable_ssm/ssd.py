@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 from ._array import Array, Namespace, constant, device, row_major
 from ._checks import check_bool, check_int
 from .backends import fast_op
-from .ssm_inputs import check_chunk_size, check_scan_inputs, skip_and_gate, within
+from .ssm_inputs import check_chunk_size, check_scan_inputs, heads_from_groups, skip_and_gate, within
 from .varlen import Varlen, windows
 
 #: Longest chunk chosen automatically; shorter sequences use one chunk of their own length.
@@ -171,6 +171,32 @@ def ssd_chunked_ref(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_
         return xp.zeros((b, 0, h, p), dtype=x.dtype, device=device(x)), final
     y = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=1)  # [b, l, h, p]
     return skip_and_gate(y, x, D, None, xp=xp), final
+
+
+def ssd_last(x: Array, dt: Array, A: Array, B: Array, C: Array, *, initial_states: Array | None,
+             xp: Namespace, D: Array | None = None) -> tuple[Array, Array]:
+    """The scan's last output and final state only, for a prompt pass that needs no other output:
+    ``(y [b, h, p] at step l-1, final_states [b, h, p, n])``, equal to ``y[:, -1]`` and the final
+    state of :func:`ssd_chunked` (same arguments, no ``seq_idx``) up to rounding, in two matmuls:
+
+    ``S = exp(Σ a) · S_0 + Σ_t exp(a[t+1] + ... + a[l-1]) · outer(X_t, B_t)`` and ``y = S C_{l-1} + D·x_{l-1}``.
+
+    The exponents are suffix sums of ``a = A·Δ <= 0``, summed from the end (the terms that weigh
+    most are summed first and exactly) and decayed like the chunks' (:func:`decay`)."""
+    b, l, h, p = x.shape
+    g, n = B.shape[-2:]
+    r = h // g
+    a = dt * A  # [b, l, h]
+    after = xp.flip(xp.cumulative_sum(xp.flip(a, axis=1), axis=1), axis=1)  # a[t..l-1], [b, l, h]
+    to_last = xp.concat([after[:, 1:, :], xp.zeros_like(after[:, :1, :])], axis=1)  # a[t+1..l-1]
+    X = x * (decay(to_last, xp=xp) * dt)[..., None]  # x·Δ decayed to the last step, [b, l, h, p]
+    X = xp.permute_dims(xp.reshape(X, (b, l, g, r * p)), (0, 2, 3, 1))  # [b, l, h, p] -> [b, g, r·p, l]
+    S = xp.reshape(_matmul(X, xp.permute_dims(B, (0, 2, 1, 3)), xp=xp), (b, h, p, n))  # [b, g, r·p, n] -> [b, h, p, n]
+    if initial_states is not None:
+        S = S + decay(after[:, 0, :], xp=xp)[..., None, None] * initial_states
+    C_last = heads_from_groups(C[:, l - 1, ...], h, xp=xp)  # [b, h, n]
+    y = _matmul(S, C_last[..., None], xp=xp)[..., 0]  # [b, h, p]
+    return skip_and_gate(y, x[:, l - 1, ...], D, None, xp=xp), S
 
 
 def _n_major(states: Array, g: int, *, xp: Namespace) -> Array:

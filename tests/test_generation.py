@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import assert_close
 
 import portable_ssm as ps
 from portable_ssm import generation
@@ -38,6 +39,51 @@ def test_greedy_tokens_equal_argmax_of_the_full_forward_at_every_step(xp):
     out = generate(xp.asarray_from(ids, "int64"), params, config=CONFIG, max_new_tokens=5)
     assert array_backend(out) == xp.name and tuple(out.shape) == (2, 18)
     np.testing.assert_array_equal(xp.numpy(out), greedy_by_full_forward(ids, HOST, CONFIG, 5, 50))
+
+
+@pytest.mark.parametrize("case", ["whole", "token-blocks", "left-padded"])
+def test_prompt_pass_gives_the_last_logits_and_the_state_of_the_full_forward(xp, case, monkeypatch):
+    """``lm.prefill`` runs the last layer for the last position only (its scan is ``ssd_last``): its
+    logits and states equal the full forward's, over the whole prompt, in token blocks (each
+    block's last layer at its last position) and for left-padded rows from given states."""
+    from portable_ssm import model
+    from portable_ssm.generation import left_pad
+    from portable_ssm.lm import prefill
+
+    if case == "token-blocks":
+        monkeypatch.setattr(model, "BLOCK_TOKENS", 5)  # 13 tokens: blocks of 5, 5 and 3
+    ids, pad, start, mask = prompt(), None, None, None
+    if case == "left-padded":
+        padded, mask = left_pad([[5, 7, 1, 9, 33, 2, 41], [3, 17], [44, 6, 12, 0]], pad_token_id=3)
+        ids, mask = np.asarray(padded), np.asarray(mask)
+        pad = xp.asarray_from((mask == 0).sum(axis=1), "int64")
+        rng = np.random.default_rng(2)
+        zero = ps.empty_state(CONFIG, 3, np.zeros(1, np.float32))
+        start = ps.Mamba2State(conv=tuple(xp.asarray_from(rng.standard_normal(a.shape), "float32") for a in zero.conv),
+                               ssm=tuple(xp.asarray_from(rng.standard_normal(a.shape), "float32") for a in zero.ssm))
+    params = ps.cast_params(HOST, "float32", backend=xp.name, device=xp.device)
+    x_ids = xp.asarray_from(ids, "int64")
+    want, want_state = logits(x_ids, params, config=CONFIG, return_state=True, initial_state=start,
+                              attention_mask=None if mask is None else xp.asarray_from(mask))
+    got, state = xp.call(prefill, x_ids, start, pad, params, config=CONFIG, xp=xp.namespace)
+    assert_close(xp, got, xp.numpy(want)[:, -1], rtol=2e-5, dtype="float32")
+    for a, b in zip((*state.conv, *state.ssm), (*want_state.conv, *want_state.ssm)):
+        assert_close(xp, a, xp.numpy(b), rtol=2e-5, dtype="float32")
+
+
+@pytest.mark.parametrize("weights", ["int8", "bfloat16"])
+def test_prompt_pass_with_low_precision_weights_gives_the_full_forwards_last_logits(weights):
+    """A quantized in_proj is projected whole in the last layer (only float weights are cut by rows)."""
+    import array_api_compat.numpy as nxp
+
+    from portable_ssm.lm import prefill
+
+    params = ps.quantize(HOST, weights)
+    want, want_state = logits(prompt(), params, config=CONFIG, return_state=True)
+    got, state = prefill(prompt(), None, None, params, config=CONFIG, xp=nxp)
+    np.testing.assert_allclose(got, want[:, -1], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    for a, b in zip(state.ssm, want_state.ssm):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
 
 
 def test_generation_prefills_once_then_steps_one_token_at_a_time(monkeypatch):

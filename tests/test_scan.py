@@ -238,7 +238,9 @@ def test_native_state_passing_agrees_with_the_loop(backend, injected):
                           (130, 64, 2, "h", False), (300, None, 1, "h", True), (5, 16, 1, "hp", False)])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("head_block", [None, 3])
-def test_numpy_native_scan_agrees_with_the_reference(l, Q, g, D, initial, dtype, head_block, monkeypatch):
+@pytest.mark.parametrize("group_chunks", [None, 1, 3])
+def test_numpy_native_scan_agrees_with_the_reference(l, Q, g, D, initial, dtype, head_block, group_chunks,
+                                                     monkeypatch):
     import array_api_compat.numpy as nxp
     from portable_ssm.backends import fast_op
     from portable_ssm.backends.numpy import ops as numpy_ops
@@ -249,6 +251,8 @@ def test_numpy_native_scan_agrees_with_the_reference(l, Q, g, D, initial, dtype,
     assert native is not None
     if head_block is not None:  # groups of 4 heads, scanned in blocks of 3 and 1
         monkeypatch.setattr(numpy_ops, "SCAN_HEAD_BLOCK", head_block)
+    if group_chunks is not None:  # 3: whole chunks in groups of 3 and fewer, a short last chunk alone
+        monkeypatch.setattr(numpy_ops, "SCAN_GROUP_CHUNKS", group_chunks)
     h, p, n = 4 * g, 3, 5
     host = scan_inputs(l + g, 2, l, h, p, g, n, with_state=initial)
     args = {k: None if host[k] is None else host[k].astype(dtype) for k in ("x", "B", "C", "A", "initial_states")}
@@ -264,6 +268,44 @@ def test_numpy_native_scan_agrees_with_the_reference(l, Q, g, D, initial, dtype,
     assert final.flags.c_contiguous
     for k, v in before.items():  # the inputs (the initial state included) are left alone
         np.testing.assert_array_equal(args[k], v)
+
+
+@pytest.mark.parametrize("b,l,h,p,g,n,Q", SHAPES)
+@pytest.mark.parametrize("D_shape", ["h", "hp", None])
+def test_last_output_and_final_state_alone_equal_the_chunked_scan(xp, dtype, b, l, h, p, g, n, Q, D_shape):
+    """``ssd_last`` (what a prompt pass's last layer runs) gives the chunked scan's last output and
+    final state, with and without an initial state."""
+    from portable_ssm.ssd import ssd_chunked_ref, ssd_last
+
+    host = scan_inputs(l * 5 + h, b, l, h, p, g, n)
+    host["dt"] = np.exp(host["dt"] - 1.0)  # Δ > 0
+    host["D"] = {"h": host["D"], "hp": np.outer(host["D"], np.arange(1.0, p + 1)), None: None}[D_shape]
+    args = on(xp, {k: host[k] for k in ("x", "dt", "A", "B", "C", "D", "initial_states")}, dtype)
+    for initial in (args["initial_states"], None):
+        kw = dict(args, initial_states=initial)
+        y, final = xp.call(ssd_chunked_ref, **kw, chunk_size=Q, xp=xp.namespace)
+        y_last, final_last = xp.call(ssd_last, **kw, xp=xp.namespace)
+        assert y_last.shape == (b, h, p) and final_last.shape == (b, h, p, n) and y_last.dtype == y.dtype
+        assert_close(xp, y_last, xp.numpy(y)[:, -1], rtol=tol(dtype), dtype=dtype)
+        assert_close(xp, final_last, xp.numpy(final), rtol=tol(dtype), dtype=dtype)
+
+
+def test_last_output_of_a_100k_step_float32_scan_keeps_the_chunked_scans_accuracy():
+    """The suffix sums over the whole sequence lose no more digits than the chunks' products: on
+    100k steps of slow decay (every step weighs) both stay within 1e-4 of the float64 scan."""
+    import array_api_compat.numpy as nxp
+
+    from portable_ssm.ssd import ssd_chunked_ref, ssd_last
+
+    host = scan_inputs(3, 1, 100_000, 4, 8, 2, 16)
+    args = {k: host[k] for k in ("x", "A", "B", "C", "D", "initial_states")}
+    args |= {"dt": np.abs(host["dt"]) * 5e-4, "A": host["A"] * 1e-2}
+    y64, final64 = ssd_chunked_ref(**args, chunk_size=None, xp=nxp)
+    f32 = {k: v.astype(np.float32) for k, v in args.items()}
+    y_last, final_last = ssd_last(**f32, xp=nxp)
+    y32, final32 = ssd_chunked_ref(**f32, chunk_size=None, xp=nxp)
+    assert rel_err(y_last, y64[:, -1]) < 1e-4 and rel_err(final_last, final64) < 1e-4
+    assert rel_err(final_last, final64) <= 2 * rel_err(final32, final64) + 1e-6
 
 
 def test_numpy_native_scan_hands_packed_rows_to_the_reference(monkeypatch):

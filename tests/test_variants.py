@@ -179,6 +179,30 @@ def test_step_by_step_equals_forward_and_mamba_ssm_on_every_backend(xp, name):
     assert rel_err(stepped, want[:, :5]) <= 1e-10
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_last_position_alone_equals_the_full_layers_last_row(name):
+    """``mixer(last_only=True)``, a prompt pass's last layer, gives the last row and the states of
+    the full layer for every variant (the gate's and the gated MLP's rows of in_proj, biases, D per
+    channel, groups), from zero and from given states."""
+    from portable_ssm.mixer import mixer
+    from portable_ssm.model import _layer
+
+    _, config, params, x = setup(name)
+    import array_api_compat.numpy as nxp
+
+    layer = _layer(params, 0)
+    rng = np.random.default_rng(3)
+    states = [(None, None), (rng.standard_normal((2, config.conv_dim, config.d_conv)),
+                             rng.standard_normal((2, config.nheads, config.headdim, config.d_state)))]
+    for conv, ssm in states:
+        full, conv_full, ssm_full = mixer(x, layer, config, conv, ssm, xp=nxp)
+        last, conv_last, ssm_last = mixer(x, layer, config, conv, ssm, xp=nxp, last_only=True)
+        assert last.shape == (2, 1, config.d_model)
+        assert rel_err(last, full[:, -1:]) <= 1e-12
+        np.testing.assert_array_equal(conv_last, conv_full)
+        assert rel_err(ssm_last, ssm_full) <= 1e-12
+
+
 @pytest.mark.parametrize("name", ["rmsnorm-off", "norm-before-gate", "d_ssm-rmsnorm-off-D_has_hdim",
                                   "d_ssm-norm-before-gate-groups"])
 def test_bfloat16_variants_stay_in_bfloat16_near_the_reference(name):

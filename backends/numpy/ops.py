@@ -6,7 +6,8 @@ by chunk), so that every pass over an intermediate reads it from cache rather th
 - :func:`causal_conv1d`, :func:`causal_conv1d_silu`: the conv in tiles of about TILE_ELEMENTS
   elements, SiLU applied to each tile while it is in cache;
 - :func:`gated_rms_norm`: the gated (or plain) RMSNorm in tiles of about TILE_ELEMENTS elements;
-- :func:`ssd_chunked`: the chunked scan as a loop over chunks, heads in blocks of SCAN_HEAD_BLOCK;
+- :func:`ssd_chunked`: the chunked scan as a loop over groups of SCAN_GROUP_CHUNKS chunks, heads in
+  blocks of SCAN_HEAD_BLOCK;
 - :func:`pass_states`: the reference scan's state passing in place (used with ``seq_idx``, which
   the native scan hands to the reference).
 """
@@ -30,6 +31,8 @@ from .threads import row_ranges, run_all, workers
 TILE_ELEMENTS = 1 << 18
 #: Heads per pass of the native scan: a block's state and a chunk's decays stay in L2.
 SCAN_HEAD_BLOCK = 12
+#: Chunks the native scan takes through each NumPy call (but the state passing's, one per chunk).
+SCAN_GROUP_CHUNKS = 4
 #: Rows of a projection or norm a worker takes at least.
 PARALLEL_MIN_ROWS = 64
 
@@ -192,9 +195,9 @@ def _view(v: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray,
                 chunk_size: int | None, initial_states: np.ndarray | None,
                 seq_idx: np.ndarray | None = None, D: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``portable_ssm.ssd.ssd_chunked_ref`` as loops over chunks whose intermediates stay in cache:
-    the heads are scanned in blocks of at most SCAN_HEAD_BLOCK heads of one group
-    (:func:`_scan_heads`), so a block's state and a chunk's ``[heads, Q, Q]`` decays fit in L2, and
+    """``portable_ssm.ssd.ssd_chunked_ref`` as loops over groups of chunks whose intermediates stay
+    in cache: the heads are scanned in blocks of at most SCAN_HEAD_BLOCK heads of one group
+    (:func:`_scan_heads`), so a block's state and a group's ``[chunks, heads, Q, Q]`` decays fit in L2, and
     every block writes its heads of y in place into one output array: no segment concatenation, no
     padding (the last chunk is just shorter), Δ folded into the decays instead of a scaled copy of
     x, and a per-head skip D added to the diagonal of the decays. Packed rows (``seq_idx``) take
@@ -203,9 +206,9 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     One difference from the reference, far below rounding: inside a chunk, decay factors below
     ``exp(floor)`` (``floor`` as in ``portable_ssm.ssd.decay``, about 1e-19 in float32) are held at
     that value instead of flushed to 0 (a clamp costs one pass, a masked flush three), which keeps
-    subnormals out of the matmuls just the same. A chunk whose output comes out non-finite is
-    recomputed through masked products (:func:`_chunk_output` with ``safe``), so a non-finite input
-    never reaches an earlier step; finite input pays one ``isfinite`` pass per chunk. Shapes as the
+    subnormals out of the matmuls just the same. A group of chunks whose output comes out non-finite
+    is recomputed through masked products (:func:`_group_output` with ``safe``), so a non-finite input
+    never reaches an earlier step; finite input pays one ``isfinite`` pass per group. Shapes as the
     reference: ``x [b, l, h, p]``, Δ ``[b, l, h]``, A ``[h]``, B, C ``[b, l, g, n]``, D ``[h]``, ``[h, p]`` or None,
     initial_states ``[b, h, p, n]`` or None -> ``(y [b, l, h, p], final_states [b, h, p, n])``."""
     if seq_idx is not None:
@@ -234,10 +237,12 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
 def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray,
                 D: np.ndarray | None, initial_states: np.ndarray | None, Q: int, y: np.ndarray,
                 dtype: np.dtype) -> np.ndarray:
-    """The scan of ``r`` heads reading one group, chunk by chunk: ``x [b, l, r, p]``, Δ ``[b, l, r]``,
-    A ``[r]``, B, C ``[b, l, n]``, D ``[r]``, ``[r, p]`` or None, initial_states ``[b, r, p, n]`` or
-    None; y ``[b, l, r, p]`` (a view of the output) is written in place. Returns the final state
-    ``[b, r, p, n]``."""
+    """The scan of ``r`` heads reading one group, in groups of SCAN_GROUP_CHUNKS chunks: ``x [b, l, r, p]``,
+    Δ ``[b, l, r]``, A ``[r]``, B, C ``[b, l, n]``, D ``[r]``, ``[r, p]`` or None, initial_states
+    ``[b, r, p, n]`` or None; y ``[b, l, r, p]`` (a view of the output) is written in place. Returns
+    the final state ``[b, r, p, n]``. The chunks of a group share every NumPy call but the three
+    that pass the state on, so a chunk costs a few calls rather than twenty (a call's own cost, and
+    on several threads its wait for the GIL, was about a third of the scan in chunks of one)."""
     b, l, r, p = x.shape
     n = B.shape[-1]
     floor = dtype.type(ssd.decay_floor(dtype, xp=xp))
@@ -258,7 +263,7 @@ def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     acs_all = np.cumsum(a_all, axis=-1)  # from the chunk's start
     # float32: the segsum as differences of float64 prefix sums, which keep the digits a float32
     # difference would lose (error ~1e-16·|Σ A·Δ|), at a tenth of the cost of the column sums float64 takes
-    prefix = np.cumsum(a_all, axis=-1, dtype=np.float64) if dtype == np.float32 else None
+    prefix = np.cumsum(a_all, axis=-1, dtype=np.float64) if dtype == np.float32 else a_all
     suffix = np.zeros_like(a_all)  # Σ_{k>s} A·Δ_k: a suffix sum, not acs[-1] - acs[s] (which loses its digits)
     np.cumsum(a_all[..., :0:-1], axis=-1, out=suffix[..., -2::-1])
     from_start = np.ascontiguousarray(ssd.decay(acs_all, xp=xp).transpose(0, 2, 3, 1))  # [b, c, Q, r]
@@ -266,64 +271,74 @@ def _scan_heads(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     to_end = np.ascontiguousarray(to_end.transpose(0, 2, 3, 1))  # [b, c, Q, r]
     # each head's decay over a whole chunk, repeated over its p columns of the flat state: [b, c, r·p]
     chunk_decay = np.repeat(ssd.decay(acs_all[..., -1], xp=xp).transpose(0, 2, 1), p, axis=-1)
-    # one flat buffer per intermediate, viewed as a contiguous array of each chunk's shape
-    buffers = [np.empty(size, dtype=dtype) for size in (b * r * Q * Q, b * r * Q * p, b * Q * r * p, b * n * r * p)]
-    for i, t0 in enumerate(range(0, l, Q)):
-        t1 = min(t0 + Q, l)
-        q = t1 - t0
-        M, Xd, Y_off, added = (v[:math.prod(s)].reshape(s) for v, s in zip(
-            buffers, ((b, r, q, q), (b, q, r, p), (b, q, r * p), (b, n, r * p))))
-        Bt, Cc = np.swapaxes(B[:, t0:t1], 1, 2), C[:, t0:t1]  # [b, n, q], [b, q, n]
-        xc, out = x[:, t0:t1], y[:, t0:t1]  # [b, q, r, p], a view of y
-        chunk = (a_all[:, :, i, :q] if prefix is None else prefix[:, :, i, :q], step[:, :, t0:t1], Bt, Cc, xc,
-                 from_start[:, i, :q], flat)
-        _chunk_output(*chunk, D, above[:q, :q], below[:q, :q], floor, M, Y_off, out, safe=False)
-        if not np.isfinite(out).all():  # a non-finite input: redo the chunk so it cannot reach earlier steps
-            _chunk_output(*chunk, D, above[:q, :q], below[:q, :q], floor, M, Y_off, out,
-                          safe=upper[:q, :q])
-        # 2.-4. the chunk's own state added
-        np.multiply(xc, to_end[:, i, :q, :, None], out=Xd)
-        flat *= chunk_decay[:, i, None, :]  # [b, n, r·p] by [b, 1, r·p]: one contiguous row per state row
-        flat += np.matmul(Bt, _view(Xd, (b, q, r * p)), out=added)  # [b, n, r·p]
+    a_chunks = prefix.transpose(0, 2, 1, 3)  # [b, r, c, Q] -> [b, c, r, Q], a view
+    step_chunks = step.reshape(b, r, c, Q).transpose(0, 2, 1, 3)  # [b, r, c·Q] -> [b, c, r, Q], a view
+    whole = l // Q  # whole chunks go in groups of G; a shorter last one makes a group of its own
+    G = max(1, min(SCAN_GROUP_CHUNKS, whole))
+    groups = [(i, min(i + G, whole), Q) for i in range(0, whole, G)]  # (first chunk, end, chunk length)
+    if c > whole:
+        groups.append((whole, c, l - whole * Q))
+    # one flat buffer per intermediate, viewed as a contiguous array of each group's shape
+    buffers = [np.empty(size, dtype=dtype) for size in (b * G * r * Q * Q, b * G * Q * r * p, b * G * n * r * p,
+                                                        b * G * Q * r * p)]
+    for i0, i1, q in groups:
+        k, t0 = i1 - i0, i0 * Q
+        t1 = t0 + k * q
+        M, Xd, added, Y_off = (v[:math.prod(s)].reshape(s) for v, s in zip(
+            buffers, ((b, k, r, q, q), (b, k, q, r, p), (b, k, n, r * p), (b, k, q, r, p))))
+        Cc = C[:, t0:t1].reshape(b, k, q, n)  # [b, k·q, n] -> [b, k, q, n]
+        Bt = np.swapaxes(B[:, t0:t1].reshape(b, k, q, n), 2, 3)  # [b, k·q, n] -> [b, k, n, q]
+        xc = x[:, t0:t1].reshape(b, k, q, r, p)  # [b, k·q, r, p] -> [b, k, q, r, p]
+        out = _view(y[:, t0:t1], (b, k, q, r, p))  # [b, k·q, r, p] -> [b, k, q, r, p], written in place
+        # what each chunk adds to the state; then the state passed through the group, the state
+        # entering each chunk read by that chunk's C (the outputs' off-diagonal part)
+        np.multiply(xc, to_end[:, i0:i1, :q, :, None], out=Xd)
+        np.matmul(Bt, _view(Xd, (b, k, q, r * p)), out=added)  # [b, k, n, r·p]
+        off = _view(Y_off, (b, k, q, r * p))
+        for j in range(k):
+            np.matmul(Cc[:, j], flat, out=off[:, j])  # [b, q, r·p]
+            flat *= chunk_decay[:, i0 + j, None, :]  # [b, n, r·p] by [b, 1, r·p]: one contiguous row per state row
+            flat += added[:, j]
+        Y_off *= from_start[:, i0:i1, :q, :, None]  # decayed to each step
+        blocks = (a_chunks[:, i0:i1, :, :q], step_chunks[:, i0:i1, :, :q], Bt, Cc, xc, Y_off, D, above[:q, :q],
+                  below[:q, :q], floor, M, out)
+        _group_output(*blocks, safe=False)
+        if not np.isfinite(out).all():  # a non-finite input: redo the group so it cannot reach earlier steps
+            _group_output(*blocks, safe=upper[:q, :q])
     return state.transpose(0, 2, 3, 1)  # [b, n, r, p] -> [b, r, p, n]
 
 
-def _chunk_output(a: np.ndarray, step: np.ndarray, Bt: np.ndarray, Cc: np.ndarray, xc: np.ndarray,
-                  from_start: np.ndarray, flat: np.ndarray, D: np.ndarray | None, above: np.ndarray,
-                  below: np.ndarray, floor: np.floating, M: np.ndarray, Y_off: np.ndarray,
-                  out: np.ndarray, *, safe: np.ndarray | bool) -> None:
-    """One chunk's outputs into ``out [b, q, r, p]``: the diagonal block ``((C Bᵀ) ⊙ exp(segsum) · Δ_j) x``
-    plus the entering state ``flat [b, n, r·p]`` read by C and decayed to each step. ``a``, ``step``
-    ``[b, r, q]`` (A·Δ, or for float32 its float64 prefix sums; Δ), ``Bt [b, n, q]``, ``Cc [b, q, n]``,
-    ``xc [b, q, r, p]``, ``from_start [b, q, r]``;
-    ``M`` and ``Y_off`` are scratch. ``safe`` (the ``[q, q]`` mask of j > i) keeps non-finite
-    inputs of step t out of every row before t (0·nan is nan in a matmul): the upper triangle of M
-    is zeroed after its products, non-finite x·Δ enter the matmul as 0 and come back as nan for
-    rows t and after (``portable_ssm.ssd.poison``)."""
-    b, q, r, p = xc.shape
+def _group_output(a: np.ndarray, step: np.ndarray, Bt: np.ndarray, Cc: np.ndarray, xc: np.ndarray,
+                  Y_off: np.ndarray, D: np.ndarray | None, above: np.ndarray, below: np.ndarray,
+                  floor: np.floating, M: np.ndarray, out: np.ndarray, *, safe: np.ndarray | bool) -> None:
+    """The outputs of ``k`` chunks of ``q`` steps into ``out [b, k, q, r, p]``: each chunk's diagonal
+    block ``((C Bᵀ) ⊙ exp(segsum) · Δ_j) x`` plus ``Y_off [b, k, q, r, p]``, the entering states'
+    part. ``a``, ``step`` ``[b, k, r, q]`` (A·Δ, or for float32 its float64 prefix sums; Δ),
+    ``Bt [b, k, n, q]``, ``Cc [b, k, q, n]``, ``xc [b, k, q, r, p]``; ``M`` is scratch. ``safe``
+    (the ``[q, q]`` mask of j > i) keeps non-finite inputs of step t out of every row before t
+    (0·nan is nan in a matmul): the upper triangle of M is zeroed after its products, non-finite
+    x·Δ enter the matmul as 0 and come back as nan for rows t and after (``portable_ssm.ssd.poison``)."""
+    b, k, q, r, p = xc.shape
     if a.dtype == M.dtype:  # segsum as a cumulative sum down each column (ssd.stable_segsum)
         np.multiply(a[..., :, None], below, out=M)  # a non-finite a[k] spills only into rows k and after
-        np.add.accumulate(M, axis=-2, out=M)  # [b, r, q, q]
+        np.add.accumulate(M, axis=-2, out=M)  # [b, k, r, q, q]
     else:  # float32 M from float64 prefix sums (a non-finite one reaches rows before it only above
         np.subtract(a[..., :, None], a[..., None, :], out=M, casting="same_kind")  # the diagonal: see safe)
     np.maximum(M, floor, out=M)
     M += above
     np.exp(M, out=M)
-    M *= step[:, :, None, :]
-    M *= np.matmul(Cc, Bt)[:, None]  # C Bᵀ once for all heads, [b, 1, q, q]
+    M *= step[..., None, :]
+    M *= np.matmul(Cc, Bt)[:, :, None]  # C Bᵀ once for all heads, [b, k, 1, q, q]
     if D is not None and D.ndim == 1:  # y_t += D·x_t through M's diagonal
-        _view(M, (b, r, q * q))[..., ::q + 1] += D[:, None]
-    xh = xc.transpose(0, 2, 1, 3)  # [b, r, q, p]: a strided view, which the BLAS reads in place
+        _view(M, (b, k, r, q * q))[..., ::q + 1] += D[:, None]
+    xh = xc.transpose(0, 1, 3, 2, 4)  # [b, k, r, q, p]: a strided view, which the BLAS reads in place
     if safe is not False:
         np.copyto(M, 0, where=safe)
-        X = xh * step[..., None]  # x·Δ, [b, r, q, p]
+        X = xh * step[..., None]  # x·Δ, [b, k, r, q, p]
         xh = np.where(np.isfinite(X), xh, 0)
-    np.matmul(M, xh, out=out.transpose(0, 2, 1, 3))
+    np.matmul(M, xh, out=out.transpose(0, 1, 3, 2, 4))
     if safe is not False:
-        out += ssd.poison(X, axis=-2, xp=xp).transpose(0, 2, 1, 3)
-    # the entering state read by C and decayed to each step
-    np.matmul(Cc, flat, out=Y_off)  # [b, q, r·p]
-    _view(Y_off, (b, q, r, p))[...] *= from_start[..., None]
-    _view(out, (b, q, r * p))[...] += Y_off
+        out += ssd.poison(X, axis=-2, xp=xp).transpose(0, 1, 3, 2, 4)
+    out += Y_off
     if D is not None and D.ndim == 2:
         out += xc * D
