@@ -157,6 +157,8 @@ def mixer(u: Array, p: dict[str, Array], c: Mamba2Config, conv_state: Array | No
     computes the final state and one output (:func:`~portable_ssm.ssd.ssd_last`), and the gate's
     projection, the norm and out_proj take one row."""
     b, l, _ = u.shape
+    if last_only and (seq_idx is not None or varlen is not None):
+        raise ValueError("last_only: a prompt pass of whole rows; packed rows (seq_idx, cu_seqlens) need every output")
     mlp, z, xBC, dt = _in_proj(u, p, c, last_only, xp=xp)
     conv_w = xp.reshape(p["conv1d.weight"], (c.conv_dim, c.d_conv))  # [conv_dim, 1, k] -> [conv_dim, k]
     if pad is None:

@@ -184,12 +184,12 @@ def test_last_position_alone_equals_the_full_layers_last_row(name):
     """``mixer(last_only=True)``, a prompt pass's last layer, gives the last row and the states of
     the full layer for every variant (the gate's and the gated MLP's rows of in_proj, biases, D per
     channel, groups), from zero and from given states."""
+    import array_api_compat.numpy as nxp
+
     from portable_ssm.mixer import mixer
     from portable_ssm.model import _layer
 
     _, config, params, x = setup(name)
-    import array_api_compat.numpy as nxp
-
     layer = _layer(params, 0)
     rng = np.random.default_rng(3)
     states = [(None, None), (rng.standard_normal((2, config.conv_dim, config.d_conv)),
@@ -201,6 +201,8 @@ def test_last_position_alone_equals_the_full_layers_last_row(name):
         assert rel_err(last, full[:, -1:]) <= 1e-12
         np.testing.assert_array_equal(conv_last, conv_full)
         assert rel_err(ssm_last, ssm_full) <= 1e-12
+    with pytest.raises(ValueError, match="last_only: a prompt pass of whole rows"):
+        mixer(x, layer, config, None, None, xp=nxp, last_only=True, seq_idx=np.zeros((2, L), dtype=np.int64))
 
 
 @pytest.mark.parametrize("name", ["rmsnorm-off", "norm-before-gate", "d_ssm-rmsnorm-off-D_has_hdim",
