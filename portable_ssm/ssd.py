@@ -186,9 +186,7 @@ def ssd_last(x: Array, dt: Array, A: Array, B: Array, C: Array, *, initial_state
     b, l, h, p = x.shape
     g, n = B.shape[-2:]
     r = h // g
-    a = dt * A  # [b, l, h]
-    after = xp.flip(xp.cumulative_sum(xp.flip(a, axis=1), axis=1), axis=1)  # a[t..l-1], [b, l, h]
-    to_last = xp.concat([after[:, 1:, :], xp.zeros_like(after[:, :1, :])], axis=1)  # a[t+1..l-1]
+    after, to_last = _sums_to_last(dt * A, xp=xp)  # a[t..l-1], a[t+1..l-1]: [b, l, h]
     X = x * (decay(to_last, xp=xp) * dt)[..., None]  # x·Δ decayed to the last step, [b, l, h, p]
     X = xp.permute_dims(xp.reshape(X, (b, l, g, r * p)), (0, 2, 3, 1))  # [b, l, h, p] -> [b, g, r·p, l]
     S = xp.reshape(_matmul(X, xp.permute_dims(B, (0, 2, 1, 3)), xp=xp), (b, h, p, n))  # [b, g, r·p, n] -> [b, h, p, n]
@@ -197,6 +195,13 @@ def ssd_last(x: Array, dt: Array, A: Array, B: Array, C: Array, *, initial_state
     C_last = heads_from_groups(C[:, l - 1, ...], h, xp=xp)  # [b, h, n]
     y = _matmul(S, C_last[..., None], xp=xp)[..., 0]  # [b, h, p]
     return skip_and_gate(y, x[:, l - 1, ...], D, None, xp=xp), S
+
+
+def _sums_to_last(a: Array, *, xp: Namespace) -> tuple[Array, Array]:
+    """Suffix sums of ``a [n, L, h]`` along its steps, summed from the last: ``(a[t] + ... + a[L-1],
+    a[t+1] + ... + a[L-1])``, the second 0 at the last step (no difference of sums is taken)."""
+    after = xp.flip(xp.cumulative_sum(xp.flip(a, axis=1), axis=1), axis=1)  # [n, L, h]
+    return after, xp.concat([after[:, 1:, :], xp.zeros_like(after[:, :1, :])], axis=1)  # [n, L, h]
 
 
 def _n_major(states: Array, g: int, *, xp: Namespace) -> Array:
@@ -298,8 +303,7 @@ def _final_states(X: Array, B: Array, a: Array, inits: Array, chunks: Array, var
     aw, _ = windows(a, chunk * Q, Q, xp=xp)  # [n_seq, Q, h]
     own = (own & (steps <= varlen.last[:, None]))[..., None]  # [n_seq, Q, 1]
     kept = within(aw, own, xp=xp)
-    after = xp.flip(xp.cumulative_sum(xp.flip(kept, axis=1), axis=1), axis=1)  # a[j..last], [n_seq, Q, h]
-    to_last = xp.concat([after[:, 1:, :], xp.zeros_like(after[:, :1, :])], axis=1)  # a[j+1..last]
+    after, to_last = _sums_to_last(kept, xp=xp)  # a[j..last], a[j+1..last]: [n_seq, Q, h]
     Xd = Xw * decay(to_last, keep=own, xp=xp)[..., None]  # [n_seq, Q, h, p]
     Xd = xp.permute_dims(xp.reshape(Xd, (s, Q, g, r * p)), (0, 2, 1, 3))  # [n_seq, g, Q, r·p]
     inside = xp.reshape(_matmul(xp.permute_dims(Bw, (0, 2, 3, 1)), Xd, xp=xp), (s, g, n, r, p))

@@ -320,7 +320,7 @@ def _group_output(a: np.ndarray, step: np.ndarray, Bt: np.ndarray, Cc: np.ndarra
     x·Δ enter the matmul as 0 and come back as nan for rows t and after (``portable_ssm.ssd.poison``)."""
     b, k, q, r, p = xc.shape
     if a.dtype == M.dtype:  # segsum as a cumulative sum down each column (ssd.stable_segsum)
-        np.multiply(a[..., :, None], below, out=M)  # a non-finite a[k] spills only into rows k and after
+        np.multiply(a[..., :, None], below, out=M)  # a non-finite a[s] spills only into rows s and after
         np.add.accumulate(M, axis=-2, out=M)  # [b, k, r, q, q]
     else:  # float32 M from float64 prefix sums (a non-finite one reaches rows before it only above
         np.subtract(a[..., :, None], a[..., None, :], out=M, casting="same_kind")  # the diagonal: see safe)
