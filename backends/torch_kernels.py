@@ -9,7 +9,9 @@ bits. :data:`SOURCE` holds two small C++ kernels instead:
 
 * ``row_gemv``: ``row [1, in] @ weight.T -> [1, out]`` in float32 for a float32, int8 (times a
   float32 scale per output row: weight-only, the row stays float32) or bfloat16 weight, four FMA
-  accumulators per weight row, the rows split over torch's intra-op threads;
+  accumulators per weight row (a float32 weight: four rows at a time, each load of the row feeding
+  all four, which took a 130m LM's float32 decode step from 35.1 to 32.3 ms, interleaved on a
+  2-core AVX-512 VM), the rows split over torch's intra-op threads;
 * ``decode_step``: one layer's step after in_proj (:func:`portable_ssm.mixer.decode_step_ref`:
   conv, SiLU, Δ, state update, ``H @ C``, D skip and gate) for float32 tensors of any batch, the
   heads split over the threads, each new state row multiplied by C as it is written (eager torch
@@ -47,6 +49,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -91,12 +94,33 @@ inline float dot(const T* w, const float* x, int64_t n) {
   return total;
 }
 
+// sum_i w[r·n + i] * x[i] for four consecutive float32 weight rows r at once, into out[r]: each
+// load of x feeds four rows' FMAs and four weight streams are in flight; two accumulators of eight
+// lanes per row, then the tail.
+inline void dot4(const float* w, const float* x, int64_t n, float* out) {
+  __m256 a[4], b[4];
+  for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    for (int r = 0; r < 4; ++r) {
+      a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * n + i), x0, a[r]);
+      b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * n + i + 8), x1, b[r]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = horizontal_sum(_mm256_add_ps(a[r], b[r])) + dot(w + r * n + i, x + i, n - i);
+}
+
 template <typename T>
 void rows_times(const T* w, const float* x, const float* scale, float* y, int64_t out, int64_t n) {
   at::parallel_for(0, out, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float v = dot(w + r * n, x, n);
-      y[r] = scale == nullptr ? v : v * scale[r];
+    int64_t r = begin;
+    if constexpr (std::is_same_v<T, float>) {  // float32 weights: four rows a load of x (int8 and
+      for (; r + 4 <= end; r += 4) dot4(w + r * n, x, n, y + r);  // bfloat16 ones widen: one at a time)
+    }
+    for (; r < end; ++r) y[r] = dot(w + r * n, x, n);
+    if (scale != nullptr) {
+      for (r = begin; r < end; ++r) y[r] *= scale[r];
     }
   });
 }
