@@ -9,9 +9,10 @@ bits. :data:`SOURCE` holds two small C++ kernels instead:
 
 * ``row_gemv``: ``row [1, in] @ weight.T -> [1, out]`` in float32 for a float32, int8 (times a
   float32 scale per output row: weight-only, the row stays float32) or bfloat16 weight, four FMA
-  accumulators per weight row (a float32 weight: four rows at a time, each load of the row feeding
-  all four, which took a 130m LM's float32 decode step from 35.1 to 32.3 ms, interleaved on a
-  2-core AVX-512 VM), the rows split over torch's intra-op threads;
+  accumulators per weight row; a float32 weight four rows at a time instead, two accumulators each,
+  every load of the row feeding all four (a 130m LM's float32 decode step took 32.3 against 35.1 ms,
+  old and new kernels alternating in one process on a 2-core AVX-512 VM); the rows split over
+  torch's intra-op threads;
 * ``decode_step``: one layer's step after in_proj (:func:`portable_ssm.mixer.decode_step_ref`:
   conv, SiLU, Δ, state update, ``H @ C``, D skip and gate) for float32 tensors of any batch, the
   heads split over the threads, each new state row multiplied by C as it is written (eager torch
@@ -115,8 +116,10 @@ template <typename T>
 void rows_times(const T* w, const float* x, const float* scale, float* y, int64_t out, int64_t n) {
   at::parallel_for(0, out, 64, [&](int64_t begin, int64_t end) {
     int64_t r = begin;
-    if constexpr (std::is_same_v<T, float>) {  // float32 weights: four rows a load of x (int8 and
-      for (; r + 4 <= end; r += 4) dot4(w + r * n, x, n, y + r);  // bfloat16 ones widen: one at a time)
+    // float32 weights four rows at a time; int8 and bfloat16 ones, which widen, one at a time (four
+    // rows of them were slower)
+    if constexpr (std::is_same_v<T, float>) {
+      for (; r + 4 <= end; r += 4) dot4(w + r * n, x, n, y + r);
     }
     for (; r < end; ++r) y[r] = dot(w + r * n, x, n);
     if (scale != nullptr) {
