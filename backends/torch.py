@@ -139,9 +139,58 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`causal_conv1d`, then ``F.silu`` (one vectorized pass, where the core's
-    ``h + h·tanh(h)`` takes four and torch's tanh is slower than its sigmoid)."""
+    ``h + h·tanh(h)`` takes four and torch's tanh is slower than its sigmoid). Where autograd
+    records float32 CPU tensors and :mod:`.torch_kernels` is built: the ``portable_ssm::conv1d_silu``
+    op instead (its forward and backward one kernel each; a 130m layer's training step at l=2048
+    spent about a fifth of its time in autograd of the reference's shifted slices)."""
+    if _takes_conv_kernel(x, weight, bias, state):
+        k = weight.shape[-1]
+        if state is None:
+            history = x.new_zeros((x.shape[0], k - 1, x.shape[2]))  # [b, k-1, d]
+        else:
+            history = state[:, :, 1:].permute(0, 2, 1)  # [b, d, k] -> [b, k-1, d]
+        l = x.shape[1]
+        tail = x[:, l - k:] if l >= k else torch.cat([history[:, l - 1:], x], dim=1)  # the last k inputs, [b, k, d]
+        return conv1d_silu(x, weight, bias, history), tail.permute(0, 2, 1)
     y, new_state = causal_conv1d(x, weight, bias, state)
     return F.silu(y), new_state
+
+
+def _takes_conv_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       state: torch.Tensor | None) -> bool:
+    """Whether :func:`causal_conv1d_silu` runs the ``portable_ssm::conv1d_silu`` op: autograd records,
+    every tensor a float32 CPU one, and the kernels built."""
+    present = [t for t in (x, weight, bias, state) if t is not None]
+    if not _records_grad(*present) or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in present):
+        return False
+    return _kernels_ready()
+
+
+def _conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 history: torch.Tensor) -> torch.Tensor:
+    return torch_kernels.conv_silu(x, weight, bias, history)
+
+
+def _conv1d_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          history: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    dx, dweight, dbias, dhistory = torch_kernels.conv_silu_backward(dy, x, weight, bias, history)
+    return dx, dweight.contiguous(), dbias, dhistory
+
+
+def _conv1d_silu_backward_shapes(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                 history: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), weight.new_empty(weight.shape),
+            x.new_empty((x.shape[-1],)), torch.empty_like(history, memory_format=torch.contiguous_format))
+
+
+def _save_conv_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _conv_op_backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, weight, bias, history = ctx.saved_tensors
+    dx, dweight, dbias, dhistory = conv1d_silu_backward(dy, x, weight, bias, history)
+    return dx, dweight, None if bias is None else dbias, dhistory
 
 
 def split(v: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
@@ -276,9 +325,11 @@ def _ssd_scan_backward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
                        dy: torch.Tensor, dfinal: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``portable_ssm::ssd_scan_backward`` on the CPU: the gradients of x, Δ, A, B, C, D and
     initial_states (an empty tensor for an absent D or initial_states) from the hand-written
-    backward (``portable_ssm.backends.torch_scan``), or, where they come out non-finite (a
+    backward (``portable_ssm.backends.torch_scan``, float32 diagonal blocks through
+    :mod:`.torch_kernels` where it is built), or, where they come out non-finite (a
     non-finite input or incoming gradient), from autograd of the reference, which is then exact."""
     inputs = (x, dt, A, B, C, D, initial_states)
+    torch_kernels.ensure()  # the diagonal blocks' kernel, built on first use
     with torch.no_grad():
         grads = torch_scan.ssd_chunked_grad(x, dt, A, B, C, chunk_size, initial_states, D, dy, dfinal)
     if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
@@ -329,6 +380,21 @@ _LIBRARY.impl("ssd_scan_backward", _ssd_scan_backward, "CPU")
 torch.library.register_fake("portable_ssm::ssd_scan_backward", _ssd_scan_backward_shapes, lib=_LIBRARY)
 torch.library.register_autograd("portable_ssm::ssd_scan", _scan_op_backward, setup_context=_save_scan_inputs,
                                 lib=_LIBRARY)
+_LIBRARY.define("conv1d_silu(Tensor x, Tensor weight, Tensor? bias, Tensor history) -> Tensor")
+_LIBRARY.impl("conv1d_silu", _conv1d_silu, "CPU")
+torch.library.register_fake("portable_ssm::conv1d_silu", lambda x, *rest: torch.empty_like(x), lib=_LIBRARY)
+_LIBRARY.define("conv1d_silu_backward(Tensor dy, Tensor x, Tensor weight, Tensor? bias, Tensor history) "
+                "-> (Tensor, Tensor, Tensor, Tensor)")
+_LIBRARY.impl("conv1d_silu_backward", _conv1d_silu_backward, "CPU")
+torch.library.register_fake("portable_ssm::conv1d_silu_backward", _conv1d_silu_backward_shapes, lib=_LIBRARY)
+torch.library.register_autograd("portable_ssm::conv1d_silu", _conv_op_backward, setup_context=_save_conv_inputs,
+                                lib=_LIBRARY)
+#: The ``portable_ssm::conv1d_silu`` op, ``(x [b, l, d], weight [d, k], bias [d] or None, history
+#: [b, k-1, d]) -> silu(conv) [b, l, d]``: the CPU training conv in eager and compiled graphs, forward
+#: and backward each one :mod:`.torch_kernels` kernel (float32; used only where they are built).
+conv1d_silu = torch.ops.portable_ssm.conv1d_silu
+conv1d_silu_backward = torch.ops.portable_ssm.conv1d_silu_backward
+
 #: The ``portable_ssm::ssd_scan`` op, ``(x, Δ, A, B, C, D, initial_states, chunk_size) -> (y, final
 #: state)`` (shapes as ``portable_ssm.ssd.ssd_chunked_ref``, the chunk length resolved): the CPU
 #: training scan of long rows (SCAN_OP_MIN_TOKENS), in eager and compiled graphs alike. Forward:

@@ -1,11 +1,11 @@
-"""Hand-written CPU kernels for the torch backend: batch-1 decode's one-row matrix products and
-every decode step's state update.
+"""Hand-written CPU kernels for the torch backend: batch-1 decode's one-row matrix products,
+every decode step's state update, and the diagonal blocks of the training scan's backward.
 
 A decode step of one row reads every weight once, so its time is the memory bandwidth's. torch's
 own GEMV (MKL on some CPUs takes a generic path) and inductor's generated one (one accumulator
 and a horizontal sum per weight row) read float32 weights at about 75% of a streaming read,
 inductor's widening int8 loads are scalar, and fbgemm's int8 kernel also rounds the row to 8
-bits. :data:`SOURCE` holds two small C++ kernels instead:
+bits. :data:`SOURCE` holds small C++ kernels instead:
 
 * ``row_gemv``: ``row [1, in] @ weight.T -> [1, out]`` in float32 for a float32, int8 (times a
   float32 scale per output row: weight-only, the row stays float32) or bfloat16 weight, four FMA
@@ -17,7 +17,17 @@ bits. :data:`SOURCE` holds two small C++ kernels instead:
   conv, SiLU, Δ, state update, ``H @ C``, D skip and gate) for float32 tensors of any batch, the
   heads split over the threads, each new state row multiplied by C as it is written and streamed
   to memory past the caches (eager torch otherwise makes about twenty passes over the state and its
-  temporaries; inductor's fused loops in a compiled step come close to the kernel).
+  temporaries; inductor's fused loops in a compiled step come close to the kernel);
+* ``decode_model``: the whole batch-1 step of a language model through the two above, in one call;
+* ``conv_silu`` and ``conv_silu_backward``: a training forward's causal depthwise conv and SiLU
+  for float32 tensors in one pass, and its gradients in two (the pre-activations recomputed), the
+  channels split over the threads (autograd of the array-API conv makes about fifteen passes over
+  ``[b, l, conv_dim]`` tensors, zero-filled and concatenated ones among them);
+* ``scan_diagonal_block``: the diagonal block of one chunk of the training scan's backward
+  (:func:`portable_ssm.backends.torch_scan.diagonal_block`) for float32 tensors: each head's
+  ``[q, q]`` decays exponentiated once and every product and sum over them taken in the same pass,
+  the heads split over the threads (torch ops make about fifteen passes over ``[heads, q, q]``
+  temporaries and a float64 one).
 
 ``python benchmarks/decode_model_ab.py --against REV`` times the whole-model step against the
 kernels of an earlier revision, alternating in one process. On a 2-core AVX-512 VM, the prefetches
@@ -26,11 +36,11 @@ for int8 and 23.3 to 16.5 for bfloat16 (``--against 74cc866``, the kernels witho
 
 They are compiled from source on first use with ``torch.utils.cpp_extension`` (the C++ compiler
 ``torch.compile`` needs on CPU anyway, and ninja; about a minute, once: the build is cached in
-torch's extensions folder) and registered as the ops ``portable_ssm_cpu::row_gemv`` and
-``portable_ssm_cpu::decode_step``, which compiled graphs call as they call any torch op. They are
-used only where they can be: an x86-64 CPU with AVX2 and FMA (as torch reports its CPU capability)
-and ``PORTABLE_SSM_CPU_KERNELS`` not ``0``. Where the build fails, one warning says why and torch's
-kernels and the array-API step stay; nothing else changes."""
+torch's extensions folder) and registered as ops of the ``portable_ssm_cpu`` namespace
+(``portable_ssm_cpu::row_gemv`` etc.), which compiled graphs call as they call any torch op. They
+are used only where they can be: an x86-64 CPU with AVX2 and FMA (as torch reports its CPU
+capability) and ``PORTABLE_SSM_CPU_KERNELS`` not ``0``. Where the build fails, one warning says why
+and torch's kernels, the array-API step and the backward's torch ops stay; nothing else changes."""
 
 from __future__ import annotations
 
@@ -56,6 +66,7 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 #include <type_traits>
 
 namespace {
@@ -327,6 +338,250 @@ at::Tensor grouped_rms_norm(const at::Tensor& x, const at::Tensor& weight, int64
   return out;
 }
 
+// The diagonal block of the chunked scan's backward (portable_ssm.backends.torch_scan's step 1) for
+// one chunk, every head in one pass over its [q, q] block: with seg_ij = prefix_i - prefix_j (float64
+// prefix sums of A·Δ, the difference rounded to float32), L_ij = exp(max(seg_ij, floor)) for j <= i
+// and 0 above, and dW = dy xᵀ,
+//   W_ij = L_ij G_ij Δ_j (the block's weights),  dGh_ij = dW_ij L_ij Δ_j (dG's share of this head),
+//   ddelta_j = Σ_i dW_ij L_ij G_ij,  dacs_i = Σ_j dW_ij W_ij - Σ_j dW_ji W_ji.
+// prefix [m, r, q] float64, G [m, q, q], dW [m, r, q, q], delta [m, r, q] float32 (m = batch·groups,
+// r heads per group); the heads split over the threads.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_diagonal_block(
+    const at::Tensor& prefix, const at::Tensor& G, const at::Tensor& dW, const at::Tensor& delta, double floor) {
+  TORCH_CHECK(prefix.dim() == 3 && prefix.scalar_type() == at::kDouble && prefix.is_contiguous(),
+              "scan_diagonal_block: prefix must be a contiguous float64 [m, r, q], got ", prefix.sizes(), " ",
+              prefix.scalar_type());
+  check_f32(G, "G", 3); check_f32(dW, "dW", 4); check_f32(delta, "delta", 3);
+  const int64_t m = prefix.size(0), r = prefix.size(1), q = prefix.size(2);
+  TORCH_CHECK(G.size(0) == m && G.size(1) == q && G.size(2) == q && dW.size(0) == m && dW.size(1) == r &&
+              dW.size(2) == q && dW.size(3) == q && delta.sizes() == prefix.sizes(),
+              "scan_diagonal_block: shapes do not match prefix ", prefix.sizes(), ": G ", G.sizes(), ", dW ",
+              dW.sizes(), ", delta ", delta.sizes());
+  at::Tensor W = at::empty_like(dW), dGh = at::empty_like(dW);
+  at::Tensor ddelta = at::empty_like(delta), dacs = at::empty_like(delta);
+  const double* P = prefix.data_ptr<double>();
+  const float *Gp = G.data_ptr<float>(), *E = dW.data_ptr<float>(), *Dp = delta.data_ptr<float>();
+  float *Wp = W.data_ptr<float>(), *dGp = dGh.data_ptr<float>(), *ddp = ddelta.data_ptr<float>();
+  float* dap = dacs.data_ptr<float>();
+  const float lowest = static_cast<float>(floor);
+  at::parallel_for(0, m * r, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> seg(q), down(q);  // one row's segment sums; Σ_i over the rows so far, per column
+    for (int64_t head = begin; head < end; ++head) {
+      const double* pre = P + head * q;
+      const float* d = Dp + head * q;
+      const float* Gm = Gp + (head / r) * q * q;
+      float* dd = ddp + head * q;
+      std::fill(dd, dd + q, 0.f);
+      std::fill(down.begin(), down.end(), 0.f);
+      for (int64_t i = 0; i < q; ++i) {
+        const float *e = E + (head * q + i) * q, *g = Gm + i * q;
+        float *w = Wp + (head * q + i) * q, *dg = dGp + (head * q + i) * q;
+        for (int64_t j = 0; j <= i; ++j) seg[j] = std::max(static_cast<float>(pre[i] - pre[j]), lowest);
+        __m256 across = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= i + 1; j += 8) {
+          const __m256 L = exp8(_mm256_loadu_ps(seg.data() + j)), dj = _mm256_loadu_ps(d + j);
+          const __m256 gj = _mm256_loadu_ps(g + j), eL = _mm256_mul_ps(_mm256_loadu_ps(e + j), L);
+          _mm256_storeu_ps(w + j, _mm256_mul_ps(_mm256_mul_ps(L, gj), dj));
+          _mm256_storeu_ps(dg + j, _mm256_mul_ps(eL, dj));
+          const __m256 t = _mm256_mul_ps(eL, gj), u = _mm256_mul_ps(t, dj);
+          _mm256_storeu_ps(dd + j, _mm256_add_ps(_mm256_loadu_ps(dd + j), t));
+          _mm256_storeu_ps(down.data() + j, _mm256_add_ps(_mm256_loadu_ps(down.data() + j), u));
+          across = _mm256_add_ps(across, u);
+        }
+        float row_sum = horizontal_sum(across);
+        for (; j <= i; ++j) {
+          const float L = std::exp(seg[j]), eL = e[j] * L, t = eL * g[j], u = t * d[j];
+          w[j] = L * g[j] * d[j];
+          dg[j] = eL * d[j];
+          dd[j] += t;
+          down[j] += u;
+          row_sum += u;
+        }
+        std::fill(w + i + 1, w + q, 0.f);
+        std::fill(dg + i + 1, dg + q, 0.f);
+        dap[head * q + i] = row_sum;
+      }
+      for (int64_t i = 0; i < q; ++i) dap[head * q + i] -= down[i];
+    }
+  });
+  return {W, dGh.view({m, r, q, q}).sum(1), ddelta, dacs};
+}
+
+// The causal depthwise conv and SiLU of a training forward, and its backward, V's lanes of channels
+// at a time (Lanes8: eight in a vector; Lanes1: one): xp = [history; x] is the row's input with the
+// k-1 steps before it, y_t = silu(bias + Σ_j w_j xp_{t+j}). Tensors are one row's
+// [steps, d] (history [k-1, d]); taps [k, d] (the weight transposed).
+struct Lanes8 {
+  using T = __m256;
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T zero() { return _mm256_setzero_ps(); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T one() { return _mm256_set1_ps(1.0f); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T sigmoid(T v) { return _mm256_div_ps(one(), _mm256_add_ps(one(), exp8(_mm256_sub_ps(zero(), v)))); }
+};
+struct Lanes1 {
+  using T = float;
+  static T load(const float* p) { return *p; }
+  static void store(float* p, T v) { *p = v; }
+  static T zero() { return 0.f; }
+  static T fma(T a, T b, T c) { return a * b + c; }
+  static T add(T a, T b) { return a + b; }
+  static T mul(T a, T b) { return a * b; }
+  static T one() { return 1.f; }
+  static T sub(T a, T b) { return a - b; }
+  static T sigmoid(T v) { return 1.f / (1.f + std::exp(-v)); }
+};
+
+struct ConvRow {  // one row's tensors and sizes; row(P) is xp's step P
+  const float *x, *history, *taps, *bias;
+  int64_t l, d, k;
+  const float* row(int64_t P) const { return P < k - 1 ? history + P * d : x + (P - k + 1) * d; }
+};
+
+template <typename V>
+inline typename V::T conv_pre(const ConvRow& r, int64_t t, int64_t c) {  // bias + Σ_j w_j xp_{t+j}
+  typename V::T acc = r.bias == nullptr ? V::zero() : V::load(r.bias + c);
+  for (int64_t j = 0; j < r.k; ++j) acc = V::fma(V::load(r.taps + j * r.d + c), V::load(r.row(t + j) + c), acc);
+  return acc;
+}
+
+// The backward's threads take 64 channels at a time (four cache lines of each step), walking the
+// steps d floats apart, across the 4 KiB pages within which the hardware prefetchers work: so each
+// step's lines are prefetched kConvAhead steps ahead.
+constexpr int64_t kConvBlock = 64;
+constexpr int64_t kConvAhead = 16;
+
+// The lines of channels [c0, c1) of step t of a [steps, d] tensor, into the caches.
+inline void prefetch_step(const float* base, int64_t t, int64_t steps, int64_t d, int64_t c0, int64_t c1) {
+  if (t < steps) {
+    for (int64_t c = c0; c < c1; c += 16) prefetch(base + t * d + c);
+  }
+}
+
+// Channels [c0, c1) of steps [t0, t1), V::width at a time.
+template <typename V>
+void conv_silu_lanes(const ConvRow& r, float* y, int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t c = c0; c < c1; c += sizeof(typename V::T) / sizeof(float)) {
+      const typename V::T pre = conv_pre<V>(r, t, c);
+      V::store(y + t * r.d + c, V::mul(pre, V::sigmoid(pre)));
+    }
+  }
+}
+
+// Channels [c0, c1) of the backward, one pass over the steps: g_t = dy_t·silu'(pre_t) (the last
+// ones in the ring g [ring, kConvBlock], ring a power of two >= k, channel c at c - base), Σ_t g_t
+// into db, Σ_t g_t xp_{t+j} into dtaps[j], and dxp_P = Σ_j w_j g_{P-j} into dhistory (P < k-1) or
+// dx once g_P is known (the last k-1 positions after the loop).
+template <typename V>
+void conv_silu_backward_lanes(const ConvRow& r, const float* dy, float* g, int64_t ring, int64_t base, float* dx,
+                              float* dhistory, float* dtaps, float* db, int64_t c0, int64_t c1) {
+  constexpr int64_t width = sizeof(typename V::T) / sizeof(float);
+  const typename V::T one = V::one();
+  auto input_grad = [&](int64_t P, int64_t c) {  // dxp_P = Σ_j w_j g_{P-j} over the steps 0 <= P-j < l
+    typename V::T acc = V::zero();
+    for (int64_t j = std::max<int64_t>(0, P - r.l + 1); j <= std::min(r.k - 1, P); ++j) {
+      acc = V::fma(V::load(r.taps + j * r.d + c), V::load(g + ((P - j) & (ring - 1)) * kConvBlock + c - base), acc);
+    }
+    V::store((P < r.k - 1 ? dhistory + P * r.d : dx + (P - r.k + 1) * r.d) + c, acc);
+  };
+  for (int64_t t = 0; t < r.l; ++t) {
+    prefetch_step(r.x, t + kConvAhead, r.l, r.d, c0, c1);
+    prefetch_step(dy, t + kConvAhead, r.l, r.d, c0, c1);
+    if (t + kConvAhead >= r.k - 1) prefetch_step(dx, t + kConvAhead - r.k + 1, r.l, r.d, c0, c1);
+    for (int64_t c = c0; c < c1; c += width) {
+      const typename V::T pre = conv_pre<V>(r, t, c), sig = V::sigmoid(pre);
+      const typename V::T slope = V::mul(sig, V::add(one, V::mul(pre, V::sub(one, sig))));  // silu'(pre)
+      const typename V::T gt = V::mul(V::load(dy + t * r.d + c), slope);
+      V::store(g + (t & (ring - 1)) * kConvBlock + c - base, gt);
+      V::store(db + c, V::add(V::load(db + c), gt));
+      for (int64_t j = 0; j < r.k; ++j) {
+        V::store(dtaps + j * r.d + c, V::fma(gt, V::load(r.row(t + j) + c), V::load(dtaps + j * r.d + c)));
+      }
+      input_grad(t, c);
+    }
+  }
+  for (int64_t P = r.l; P < r.l + r.k - 1; ++P) {
+    for (int64_t c = c0; c < c1; c += width) input_grad(P, c);
+  }
+}
+
+inline void check_conv(const at::Tensor& x, const at::Tensor& taps, const c10::optional<at::Tensor>& bias,
+                       const at::Tensor& history) {
+  check_f32(x, "x", 3); check_f32(taps, "taps", 2); check_f32(history, "history", 3);
+  const int64_t b = x.size(0), d = x.size(2), k = taps.size(0);
+  TORCH_CHECK(k > 0 && taps.size(1) == d && history.size(0) == b && history.size(1) == k - 1 && history.size(2) == d,
+              "conv_silu: shapes do not match x ", x.sizes(), ": taps ", taps.sizes(), ", history ", history.sizes());
+  if (bias.has_value()) {
+    check_f32(*bias, "bias", 1);
+    TORCH_CHECK(bias->size(0) == d, "conv_silu: bias must be [", d, "], got ", bias->sizes());
+  }
+}
+
+inline ConvRow conv_row(const at::Tensor& x, const at::Tensor& taps, const c10::optional<at::Tensor>& bias,
+                        const at::Tensor& history, int64_t row) {
+  const int64_t l = x.size(1), d = x.size(2), k = taps.size(0);
+  return {x.data_ptr<float>() + row * l * d, history.data_ptr<float>() + row * (k - 1) * d, taps.data_ptr<float>(),
+          bias.has_value() ? bias->data_ptr<float>() : nullptr, l, d, k};
+}
+
+// y [b, l, d] = silu(causal depthwise conv of x [b, l, d] with taps [k, d], bias [d], history [b, k-1, d]).
+at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& taps, const c10::optional<at::Tensor>& bias,
+                     const at::Tensor& history) {
+  check_conv(x, taps, bias, history);
+  const int64_t b = x.size(0), l = x.size(1), d = x.size(2);
+  at::Tensor y = at::empty_like(x);
+  float* yp = y.data_ptr<float>();
+  const int64_t split = d / 8 * 8;  // eight channels a vector, then one at a time
+  at::parallel_for(0, b * l, 16, [&](int64_t begin, int64_t end) {  // steps in order: each row read once
+    for (int64_t row = begin / l; row * l < end; ++row) {
+      const ConvRow r = conv_row(x, taps, bias, history, row);
+      const int64_t t0 = std::max(begin - row * l, int64_t{0}), t1 = std::min(end - row * l, l);
+      conv_silu_lanes<Lanes8>(r, yp + row * l * d, t0, t1, 0, split);
+      conv_silu_lanes<Lanes1>(r, yp + row * l * d, t0, t1, split, d);
+    }
+  });
+  return y;
+}
+
+// The gradients (dx [b, l, d], dtaps [k, d], dbias [d], dhistory [b, k-1, d]) of sum(dy·y) for
+// y = conv_silu(x, taps, bias, history); the pre-activations are recomputed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_silu_backward(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& taps, const c10::optional<at::Tensor>& bias,
+    const at::Tensor& history) {
+  check_conv(x, taps, bias, history);
+  check_f32(dy, "dy", 3);
+  TORCH_CHECK(dy.sizes() == x.sizes(), "conv_silu_backward: dy must be shaped as x ", x.sizes(), ", got ", dy.sizes());
+  const int64_t b = x.size(0), l = x.size(1), d = x.size(2), k = taps.size(0);
+  at::Tensor dx = at::empty_like(x), dhistory = at::empty_like(history);
+  at::Tensor dtaps = at::zeros_like(taps), dbias = at::zeros({d}, x.options());
+  const float* dyp = dy.data_ptr<float>();
+  float *dxp = dx.data_ptr<float>(), *dhp = dhistory.data_ptr<float>();
+  float *dtp = dtaps.data_ptr<float>(), *dbp = dbias.data_ptr<float>();
+  // the threads split the channels (every row's steps in each), so each sums its own dtaps and dbias
+  at::parallel_for(0, (d + kConvBlock - 1) / kConvBlock, 1, [&](int64_t begin, int64_t end) {
+    int64_t ring = 1;
+    while (ring < k) ring *= 2;
+    std::vector<float> g(ring * kConvBlock);  // the block's last g_t
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t c0 = block * kConvBlock, c1 = std::min(d, c0 + kConvBlock), split = c0 + (c1 - c0) / 8 * 8;
+      for (int64_t row = 0; row < b; ++row) {
+        const ConvRow r = conv_row(x, taps, bias, history, row);
+        const float* dyr = dyp + row * l * d;
+        float *dxr = dxp + row * l * d, *dhr = dhp + row * (k - 1) * d;
+        conv_silu_backward_lanes<Lanes8>(r, dyr, g.data(), ring, c0, dxr, dhr, dtp, dbp, c0, split);
+        conv_silu_backward_lanes<Lanes1>(r, dyr, g.data(), ring, c0, dxr, dhr, dtp, dbp, split, c1);
+      }
+    }
+  });
+  return {dx, dtaps, dbias, dhistory};
+}
+
 inline void check_layers(at::TensorList list, int64_t layers, const char* name) {
   TORCH_CHECK(static_cast<int64_t>(list.size()) == layers, "decode_model: ", name, " must hold one tensor per layer (",
               layers, "), got ", list.size());
@@ -396,11 +651,19 @@ TORCH_LIBRARY(portable_ssm_cpu, m) {
         "Tensor[] Ds, Tensor[] gate_norms, Tensor[] out_weights, Tensor?[] out_scales, Tensor norm_f, Tensor head, "
         "Tensor? head_scale, float eps, float low, float high, int ngroups, int headdim) "
         "-> (Tensor, Tensor[], Tensor[])");
+  m.def("scan_diagonal_block(Tensor prefix, Tensor G, Tensor dW, Tensor delta, float floor) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("conv_silu(Tensor x, Tensor taps, Tensor? bias, Tensor history) -> Tensor");
+  m.def("conv_silu_backward(Tensor dy, Tensor x, Tensor taps, Tensor? bias, Tensor history) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(portable_ssm_cpu, CPU, m) {
   m.impl("row_gemv", &row_gemv);
   m.impl("decode_step", &decode_step);
   m.impl("decode_model", &decode_model);
+  m.impl("scan_diagonal_block", &scan_diagonal_block);
+  m.impl("conv_silu", &conv_silu);
+  m.impl("conv_silu_backward", &conv_silu_backward);
 }
 """
 
@@ -443,6 +706,9 @@ def _build() -> bool:
     torch.library.register_fake("portable_ssm_cpu::row_gemv")(_row_gemv_shape)
     torch.library.register_fake("portable_ssm_cpu::decode_step")(_decode_step_shapes)
     torch.library.register_fake("portable_ssm_cpu::decode_model")(_decode_model_shapes)
+    torch.library.register_fake("portable_ssm_cpu::scan_diagonal_block")(_scan_diagonal_block_shapes)
+    torch.library.register_fake("portable_ssm_cpu::conv_silu")(lambda x, *rest: x.new_empty(x.shape))
+    torch.library.register_fake("portable_ssm_cpu::conv_silu_backward")(_conv_silu_backward_shapes)
     return True
 
 
@@ -460,6 +726,17 @@ def _decode_model_shapes(x: torch.Tensor, conv_states: list[torch.Tensor], ssm_s
     head = rest[ModelWeights._fields.index("head")]  # rest: the weights' fields, then the scalars
     return (x.new_empty((1, head.shape[0])), [c.new_empty(c.shape) for c in conv_states],
             [h.new_empty(h.shape) for h in ssm_states])
+
+
+def _scan_diagonal_block_shapes(prefix: torch.Tensor, G: torch.Tensor, dW: torch.Tensor, delta: torch.Tensor,
+                                floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return dW.new_empty(dW.shape), G.new_empty(G.shape), delta.new_empty(delta.shape), delta.new_empty(delta.shape)
+
+
+def _conv_silu_backward_shapes(dy: torch.Tensor, x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
+                               history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (x.new_empty(x.shape), taps.new_empty(taps.shape), x.new_empty((x.shape[-1],)),
+            history.new_empty(history.shape))
 
 
 def ensure() -> bool:
@@ -500,6 +777,35 @@ def decode_step(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state
         xBC.contiguous(), dt.contiguous(), z.contiguous(), conv_state.contiguous(), ssm_state.contiguous(),
         conv_weight.contiguous(), None if conv_bias is None else conv_bias.contiguous(), dt_bias.contiguous(),
         A.contiguous(), D.contiguous(), float(low), float(high), ngroups, headdim)
+
+
+def scan_diagonal_block(prefix: torch.Tensor, G: torch.Tensor, dW: torch.Tensor, delta: torch.Tensor,
+                        floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The diagonal block of one chunk of the scan's backward in one pass over each head's
+    ``[q, q]`` block (:func:`portable_ssm.backends.torch_scan.diagonal_block` computes the same in
+    torch ops and documents it): ``prefix [m, r, q]`` float64, ``G [m, q, q]``, ``dW [m, r, q, q]``,
+    ``delta [m, r, q]`` float32 -> ``(W [m, r, q, q], dG [m, q, q], dΔ [m, r, q], d acs [m, r, q])``."""
+    return torch.ops.portable_ssm_cpu.scan_diagonal_block(prefix.contiguous(), G.contiguous(), dW.contiguous(),
+                                                          delta.contiguous(), float(floor))
+
+
+def conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              history: torch.Tensor) -> torch.Tensor:
+    """``silu(causal depthwise conv)`` of ``x [b, l, d]`` with ``weight [d, k]``, ``bias [d]`` or
+    None, and the ``k-1`` inputs before it, ``history [b, k-1, d]``, all float32: ``y [b, l, d]``
+    (``portable_ssm.conv.causal_conv1d_silu``'s output), eight channels per vector."""
+    return torch.ops.portable_ssm_cpu.conv_silu(x.contiguous(), weight.t().contiguous(),
+                                                None if bias is None else bias.contiguous(), history.contiguous())
+
+
+def conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients ``(dx, d weight [d, k], d bias [d], d history)`` of ``sum(dy · conv_silu(x,
+    weight, bias, history))``, the pre-activations recomputed; the channels split over the threads."""
+    dx, dtaps, dbias, dhistory = torch.ops.portable_ssm_cpu.conv_silu_backward(
+        dy.contiguous(), x.contiguous(), weight.t().contiguous(), None if bias is None else bias.contiguous(),
+        history.contiguous())
+    return dx, dtaps.t(), dbias, dhistory
 
 
 class ModelWeights(NamedTuple):

@@ -25,6 +25,37 @@ import torch
 
 from portable_ssm import ssd
 
+from . import torch_kernels
+
+
+def diagonal_block(prefix: torch.Tensor, G: torch.Tensor, dW: torch.Tensor, delta: torch.Tensor,
+                   floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 1 of one chunk's backward, the diagonal block ``W = G ⊙ L ⊙ Δ_j`` on the lower
+    triangle, with ``L_ij = exp(max(prefix_i - prefix_j, floor))`` (float64 prefix sums of A·Δ,
+    the difference in the compute dtype) and ``dW = dy xᵀ``. Returns ``(W, dG, dΔ, d acs)``: the
+    block's weights, the gradient of ``G`` (summed over each group's heads), of Δ through the
+    block, and of the cumulative sums ``acs`` (``seg_ij = acs_i - acs_j``). Shapes: prefix and Δ
+    ``[b, g, r, q]``, ``G [b, g, q, q]``, ``dW`` and W ``[b, g, r, q, q]``. A float32 CPU chunk goes
+    through :mod:`.torch_kernels`' one-pass kernel where :func:`.torch_kernels.ready`; these torch
+    ops are the reference it is tested against."""
+    b, g, r, q = delta.shape
+    if dW.dtype == torch.float32 and dW.device.type == "cpu" and torch_kernels.ready():
+        W, dG, ddelta, dacs = torch_kernels.scan_diagonal_block(
+            prefix.reshape(b * g, r, q), G.reshape(b * g, q, q), dW.reshape(b * g, r, q, q),
+            delta.reshape(b * g, r, q), floor)  # [m = b·g, r, ...]
+        return W.view(b, g, r, q, q), dG.view(b, g, q, q), ddelta.view(b, g, r, q), dacs.view(b, g, r, q)
+    L = (prefix[..., :, None] - prefix[..., None, :]).to(dW.dtype)  # [b, g, r, q, q]
+    L.clamp_(min=floor).add_(torch.triu(dW.new_full((q, q), -torch.inf), 1)).exp_()  # 0 above the diagonal
+    G = G[:, :, None]  # [b, g, 1, q, q]
+    E = dW * L
+    L.mul_(G).mul_(delta[..., None, :])  # W
+    dG = (E * delta[..., None, :]).sum(dim=2)  # Σ_heads dW ⊙ L ⊙ Δ_j, [b, g, q, q]
+    E.mul_(G)  # dW ⊙ L ⊙ G
+    ddelta = E.sum(dim=-2)  # [b, g, r, q]
+    E.mul_(delta[..., None, :])  # dW ⊙ W: the segment sums' gradient
+    dacs = E.sum(dim=-1) - E.sum(dim=-2)  # seg_ij = acs_i - acs_j, [b, g, r, q]
+    return L, dG, ddelta, dacs
+
 
 def ssd_chunked_grad(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                      chunk_size: int, initial_states: torch.Tensor | None, D: torch.Tensor | None,
@@ -56,7 +87,6 @@ def ssd_chunked_grad(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     fed_weight = to_end * step  # exp(acs_last - acs_j) Δ_j: what x_j feeds the leaving state
     chunk_decay = ssd.decay(acs_all[..., -1], xp=xp)  # [b, g, r, c]
     decay_rows = chunk_decay.repeat_interleave(p, dim=2)  # repeated over each head's p columns, [b, g, r·p, c]
-    above = torch.triu(x.new_full((Q, Q), -torch.inf), 1)  # -inf where j > i
 
     xg = x.reshape(b, l, g, r, p)
     Bg, Cg = B.permute(0, 2, 1, 3), C.permute(0, 2, 1, 3)  # [b, g, l, n]
@@ -92,19 +122,10 @@ def ssd_chunked_grad(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
         S = entering[i]  # [b, g, n, r·p]
 
         # 1. the diagonal block: W = G ⊙ L ⊙ Δ_j on the lower triangle
-        pre = prefix[..., i, :q]
-        L = (pre[..., :, None] - pre[..., None, :]).to(dtype)  # [b, g, r, q, q]
-        L.clamp_(min=floor).add_(above[:q, :q]).exp_()
-        G = (Cc @ Bc.transpose(-1, -2))[:, :, None]  # [b, g, 1, q, q]
-        E = dyh @ xh.transpose(-1, -2)  # dW = dy xᵀ, [b, g, r, q, q]
-        E.mul_(L)  # ⊙ L: the upper triangle 0
-        L.mul_(G).mul_(delta[..., None, :])  # W
-        dxh = L.transpose(-1, -2) @ dyh  # Wᵀ dy, [b, g, r, q, p]
-        dG = (E * delta[..., None, :]).sum(dim=2)  # Σ_heads dW ⊙ L ⊙ Δ_j, [b, g, q, q]
-        E.mul_(G)  # dW ⊙ L ⊙ G
-        ddelta = E.sum(dim=-2)  # [b, g, r, q]
-        E.mul_(delta[..., None, :])  # dW ⊙ W: the segment sums' gradient
-        dacs = E.sum(dim=-1) - E.sum(dim=-2)  # seg_ij = acs_i - acs_j, [b, g, r, q]
+        G = Cc @ Bc.transpose(-1, -2)  # [b, g, q, q]
+        dW = dyh @ xh.transpose(-1, -2)  # dy xᵀ, [b, g, r, q, q]
+        W, dG, ddelta, dacs = diagonal_block(prefix[..., i, :q], G, dW, delta, floor)
+        dxh = W.transpose(-1, -2) @ dyh  # Wᵀ dy, [b, g, r, q, p]
         dCc = dG @ Bc  # [b, g, q, n]
         dBc = dG.transpose(-1, -2) @ Cc
 

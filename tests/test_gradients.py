@@ -196,6 +196,7 @@ def _scan_grads(args, chunk_size, *, native, state_loss):
     return {k: v.grad for k, v in leaves.items() if v is not None}
 
 
+@pytest.mark.parametrize("kernels", ["1", "0"], ids=["cpu-kernels", "torch-ops"])
 @pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-12), (torch.float32, 2e-5)], ids=["float64", "float32"])
 @pytest.mark.parametrize("case", [
     dict(chunk_size=8),  # 4 whole chunks and a short one; ngroups 2; D [h]; an initial state
@@ -203,10 +204,11 @@ def _scan_grads(args, chunk_size, *, native, state_loss):
     dict(chunk_size=5, d_shape=None, b=1, l=12, state_loss=False),  # no D; y alone reaches the loss
     dict(chunk_size=3, b=3, l=10, h=3, g=3),  # a group per head
 ], ids=["chunks", "one-chunk-Dhp", "no-D-y-only", "head-per-group"])
-def test_cpu_training_scan_op_gives_the_references_autograd_gradients(monkeypatch, scan_op_on_short_rows, dtype,
-                                                                     rtol, case):
+def test_cpu_training_scan_op_gives_the_references_autograd_gradients(monkeypatch, scan_op_on_short_rows, kernels,
+                                                                     dtype, rtol, case):
     from portable_ssm.backends import torch_scan
 
+    monkeypatch.setenv("PORTABLE_SSM_CPU_KERNELS", kernels)  # float32 diagonal blocks: the kernel where built
     case = dict(case)
     chunk_size, state_loss = case.pop("chunk_size"), case.pop("state_loss", True)
     calls = []

@@ -1,9 +1,10 @@
 """The torch backend's CPU kernels (backends/torch_kernels.py): one decode row times a float32,
 int8 or bfloat16 weight equals the reference product, the fused decode step equals
-``decode_step_ref``, the whole-model batch-1 step equals the array-API stack, eager and compiled
-decode call them (compiled graphs without a break),
-autograd and other shapes and dtypes keep torch's kernels and the array-API step, and a failed
-build or ``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on them with one warning."""
+``decode_step_ref``, the whole-model batch-1 step equals the array-API stack, the training conv
+equals autograd of the array-API conv and the training scan's diagonal block its torch ops, eager
+and compiled decode call them (compiled graphs without a break), autograd and other shapes and
+dtypes keep torch's kernels and the array-API step, and a failed build or
+``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on them with one warning."""
 
 from __future__ import annotations
 
@@ -184,6 +185,138 @@ def test_fused_decode_step_refuses_inconsistent_shapes(kernel):
         kernel.decode_step(**{**args, "ngroups": 3})
     with pytest.raises(RuntimeError, match="ssm_state must be a contiguous float32"):
         kernel.decode_step(**{**args, "ssm_state": args["ssm_state"][0]})
+
+
+def _diagonal_args(seed: int, *, b: int, g: int, r: int, q: int, rate: float) -> tuple[torch.Tensor, ...]:
+    """One chunk's diagonal-block inputs: float64 prefix sums of A·Δ (steps of about -rate each),
+    G, dW = dy xᵀ and Δ in float32."""
+    rng = np.random.default_rng(seed)
+    steps = -rate * rng.uniform(0.0, 2.0, (b, g, r, q))
+    prefix = torch.from_numpy(np.cumsum(steps, axis=-1))
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+
+    delta = torch.from_numpy(rng.uniform(0.01, 1.0, (b, g, r, q)).astype(np.float32))
+    return prefix, t(b, g, q, q), t(b, g, r, q, q), delta
+
+
+@requires_kernel
+@pytest.mark.parametrize(("b", "g", "r", "q", "rate"), [
+    (1, 1, 24, 64, 0.05),  # a 130m layer's chunk
+    (2, 3, 2, 13, 0.3),  # batch and groups, the 8-wide loop and its tail
+    (1, 2, 3, 5, 0.1),  # q below one vector: the scalar loop only
+    (1, 1, 4, 40, 4.0),  # decays past the floor: the clamp
+])
+def test_scan_diagonal_block_kernel_equals_the_torch_ops(kernel, monkeypatch, b, g, r, q, rate):
+    from portable_ssm.backends import torch_scan
+
+    args = _diagonal_args(3, b=b, g=g, r=r, q=q, rate=rate)
+    floor = ps.ssd.decay_floor(torch.float32, xp=backend.xp)
+    got = torch_scan.diagonal_block(*args, floor)
+    monkeypatch.setattr(torch_kernels, "ready", lambda: False)
+    want = torch_scan.diagonal_block(*args, floor)
+    exact = torch_scan.diagonal_block(*(a.double() for a in args), floor)  # the torch ops in float64
+    for name, g_, w, e in zip(("W", "dG", "ddelta", "dacs"), got, want, exact):
+        assert g_.dtype == torch.float32 and g_.shape == w.shape, name
+        # d acs is a difference of row and column sums: both float32 paths round it to a few 1e-7
+        assert rel_err(g_.numpy(), e.numpy()) < 1e-6 and rel_err(g_.numpy(), w.numpy()) < 2e-6, name
+    assert not bool(got[0].triu(1).any())  # W is 0 above the diagonal
+
+
+@requires_kernel
+def test_scan_diagonal_block_kernel_refuses_other_dtypes_and_shapes(kernel):
+    prefix, G, dW, delta = (a.reshape(-1, *a.shape[2:]) for a in _diagonal_args(0, b=1, g=2, r=3, q=5, rate=0.1))
+    with pytest.raises(RuntimeError, match="prefix must be a contiguous float64"):
+        kernel.scan_diagonal_block(prefix.float(), G, dW, delta, -40.0)
+    with pytest.raises(RuntimeError, match="scan_diagonal_block: shapes do not match"):
+        kernel.scan_diagonal_block(prefix, G[:, 1:], dW, delta, -40.0)
+    with pytest.raises(RuntimeError, match="dW must be a contiguous float32"):
+        kernel.scan_diagonal_block(prefix, G, dW.double(), delta, -40.0)
+
+
+def _conv_leaves(seed: int, *, b: int, l: int, d: int, k: int, bias: bool, state: bool,
+                 dtype: torch.dtype = torch.float32) -> list[torch.Tensor | None]:
+    """x [b, l, d], weight [d, k], bias [d] or None, state [b, d, k] or None: leaves requiring grad."""
+    rng = np.random.default_rng(seed)
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.from_numpy(rng.standard_normal(shape)).to(dtype).requires_grad_()
+
+    return [t(b, l, d), t(d, k), t(d) if bias else None, t(b, d, k) if state else None]
+
+
+def _conv_and_grads(conv, leaves: list[torch.Tensor | None], seed: int = 9) -> list[torch.Tensor]:
+    """``(y, new_state)`` of ``conv(*leaves)`` and the gradients of a random probe of both."""
+    y, new_state = conv(*leaves)
+    rng = np.random.default_rng(seed)
+    probes = [torch.from_numpy(rng.standard_normal(tuple(v.shape))).to(v.dtype) for v in (y, new_state)]
+    present = [v for v in leaves if v is not None]
+    return [y.detach(), new_state.detach(), *torch.autograd.grad((y, new_state), present, probes)]
+
+
+def _reference_conv_silu(x, weight, bias, state):
+    from portable_ssm.conv import causal_conv1d_ref
+
+    y, new_state = causal_conv1d_ref(x, weight, bias, state, xp=backend.xp)
+    return torch.nn.functional.silu(y), new_state
+
+
+@requires_kernel
+@pytest.mark.parametrize(("b", "l", "d", "k", "bias", "state"), [
+    (1, 300, 1792, 4, True, False),  # a 130m layer's conv: vectors only
+    (2, 37, 21, 4, True, True),  # vectors and single channels, a state to continue
+    (3, 2, 13, 4, False, True),  # fewer steps than the window: the new state takes part of the old
+    (1, 5, 8, 1, True, False),  # a one-tap conv
+    (2, 9, 70, 3, False, False),  # a block of 64 channels and a rest, an odd window
+])
+def test_training_conv_kernel_gives_the_references_output_state_and_gradients(kernel, monkeypatch, b, l, d, k, bias,
+                                                                              state):
+    calls = []
+    real = torch_kernels.conv_silu
+    monkeypatch.setattr(torch_kernels, "conv_silu", lambda *a: calls.append(1) or real(*a))
+    leaves = _conv_leaves(4, b=b, l=l, d=d, k=k, bias=bias, state=state)
+    got = _conv_and_grads(backend.causal_conv1d_silu, leaves)
+    assert calls == [1], "the training conv did not run the kernel"
+    want = _conv_and_grads(_reference_conv_silu, leaves)
+    names = ["y", "new_state", *(n for n, v in zip(("dx", "dweight", "dbias", "dstate"), leaves) if v is not None)]
+    for name, g_, w in zip(names, got, want, strict=True):
+        assert g_.dtype == torch.float32 and g_.shape == w.shape, name
+        assert rel_err(g_.numpy(), w.numpy()) < 5e-6, name
+
+
+@requires_kernel
+@pytest.mark.parametrize("change", ["float64", "no grad", "kernels off"])
+def test_training_conv_kernel_leaves_float64_inference_and_a_disabled_build_to_the_other_paths(kernel, monkeypatch,
+                                                                                             change):
+    monkeypatch.setattr(torch_kernels, "conv_silu", lambda *a: pytest.fail("the kernel took the conv"))
+    if change == "kernels off":
+        monkeypatch.setenv(torch_kernels.ENV, "0")
+    leaves = _conv_leaves(5, b=1, l=12, d=10, k=4, bias=True, state=True,
+                          dtype=torch.float64 if change == "float64" else torch.float32)
+    if change == "no grad":
+        with torch.no_grad():
+            y, new_state = backend.causal_conv1d_silu(*leaves)
+        want_y, want_state = _reference_conv_silu(*leaves)
+        assert rel_err(y.numpy(), want_y.detach().numpy()) < 1e-6 and torch.equal(new_state, want_state.detach())
+        return
+    got = _conv_and_grads(backend.causal_conv1d_silu, leaves)
+    want = _conv_and_grads(_reference_conv_silu, leaves)
+    for g_, w in zip(got, want, strict=True):
+        assert rel_err(g_.numpy(), w.numpy()) < 1e-12
+
+
+@requires_kernel
+def test_training_conv_kernel_refuses_shapes_it_does_not_take(kernel):
+    x, weight, bias = torch.zeros(1, 6, 10), torch.zeros(10, 4), torch.zeros(10)
+    with pytest.raises(RuntimeError, match="conv_silu: shapes do not match"):
+        kernel.conv_silu(x, weight, bias, torch.zeros(1, 2, 10))
+    with pytest.raises(RuntimeError, match="conv_silu: bias must be"):
+        kernel.conv_silu(x, weight, torch.zeros(9), torch.zeros(1, 3, 10))
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
+        kernel.conv_silu(x.double(), weight, bias, torch.zeros(1, 3, 10))
+    with pytest.raises(RuntimeError, match="conv_silu_backward: dy must be shaped as x"):
+        kernel.conv_silu_backward(torch.zeros(1, 5, 10), x, weight, bias, torch.zeros(1, 3, 10))
 
 
 @requires_kernel
