@@ -160,10 +160,12 @@ def test_gradients_flow_through_a_carried_state_and_detach_state_cuts_them():
 
 @pytest.fixture
 def scan_op_on_short_rows(monkeypatch):
-    """The torch backend's ``portable_ssm::ssd_scan`` op for rows of any length (the tests' are short)."""
+    """The torch backend's ``portable_ssm::ssd_scan`` op for rows of any length (the tests' are short),
+    its backward in the forward's chunks (the tests' rows are shorter than one BACKWARD_CHUNK)."""
     from portable_ssm.backends import torch as torch_backend
 
     monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)
+    monkeypatch.setattr(torch_backend, "BACKWARD_CHUNK", 1)
 
 
 def _scan_case(dtype, *, b=2, l=37, h=4, p=3, g=2, n=5, d_shape="h", initial=True, seed=0):
@@ -223,6 +225,20 @@ def test_cpu_training_scan_op_gives_the_references_autograd_gradients(monkeypatc
         assert native[name].shape == grad.shape and native[name].dtype == grad.dtype, name
         err = rel_err(native[name].numpy(), grad.numpy())
         assert err < rtol, f"{name}: the op's gradient differs from the reference's autograd by {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-12), (torch.float32, 2e-5)], ids=["float64", "float32"])
+def test_scan_op_backward_in_longer_chunks_than_the_forward_gives_the_same_gradients(monkeypatch,
+                                                                                    scan_op_on_short_rows, dtype,
+                                                                                    rtol):
+    from portable_ssm.backends import torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "BACKWARD_CHUNK", 16)  # the forward's 5-step chunks, the backward's 16
+    args = _scan_case(dtype)
+    native = _scan_grads(args, 5, native=True, state_loss=True)
+    reference = _scan_grads(args, 5, native=False, state_loss=True)
+    for name, grad in reference.items():
+        assert rel_err(native[name].numpy(), grad.numpy()) < rtol, name
 
 
 def test_scan_op_gives_the_references_gradients_for_a_non_finite_input(scan_op_on_short_rows):
