@@ -173,8 +173,7 @@ def _conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _conv1d_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           history: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    dx, dweight, dbias, dhistory = torch_kernels.conv_silu_backward(dy, x, weight, bias, history)
-    return dx, dweight.contiguous(), dbias, dhistory
+    return torch_kernels.conv_silu_backward(dy, x, weight, bias, history)
 
 
 def _conv1d_silu_backward_shapes(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

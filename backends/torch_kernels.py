@@ -1,5 +1,5 @@
 """Hand-written CPU kernels for the torch backend: batch-1 decode's one-row matrix products,
-every decode step's state update, and the diagonal blocks of the training scan's backward.
+every decode step's state update, and training's conv and the diagonal blocks of its scan's backward.
 
 A decode step of one row reads every weight once, so its time is the memory bandwidth's. torch's
 own GEMV (MKL on some CPUs takes a generic path) and inductor's generated one (one accumulator
@@ -20,9 +20,10 @@ bits. :data:`SOURCE` holds small C++ kernels instead:
   temporaries; inductor's fused loops in a compiled step come close to the kernel);
 * ``decode_model``: the whole batch-1 step of a language model through the two above, in one call;
 * ``conv_silu`` and ``conv_silu_backward``: a training forward's causal depthwise conv and SiLU
-  for float32 tensors in one pass, and its gradients in two (the pre-activations recomputed), the
-  channels split over the threads (autograd of the array-API conv makes about fifteen passes over
-  ``[b, l, conv_dim]`` tensors, zero-filled and concatenated ones among them);
+  for float32 tensors in one pass, and its gradients in one more (the pre-activations
+  recomputed), the steps (forward) or channels (backward) split over the threads (autograd of the
+  array-API conv makes about fifteen passes over ``[b, l, conv_dim]`` tensors, zero-filled and
+  concatenated ones among them);
 * ``scan_diagonal_block``: the diagonal block of one chunk of the training scan's backward
   (:func:`portable_ssm.backends.torch_scan.diagonal_block`) for float32 tensors: each head's
   ``[q, q]`` decays exponentiated once and every product and sum over them taken in the same pass,
@@ -204,10 +205,11 @@ inline __m256 exp8(__m256 v) {
   const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(two_k));
 }
-inline __m256 silu8(__m256 v) {  // v·sigmoid(v) = v / (1 + exp(-v)); a NaN stays NaN through the product
+inline __m256 sigmoid8(__m256 v) {  // 1 / (1 + exp(-v))
   const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_mul_ps(v, _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v)))));
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
 }
+inline __m256 silu8(__m256 v) { return _mm256_mul_ps(v, sigmoid8(v)); }  // a NaN stays NaN through the product
 inline float silu1(float v) { return v / (1.0f + std::exp(-v)); }
 inline float softplus1(float v) { return 0.5f * (v + std::fabs(v)) + std::log1p(std::exp(-std::fabs(v))); }
 
@@ -422,7 +424,7 @@ struct Lanes8 {
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T one() { return _mm256_set1_ps(1.0f); }
   static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
-  static T sigmoid(T v) { return _mm256_div_ps(one(), _mm256_add_ps(one(), exp8(_mm256_sub_ps(zero(), v)))); }
+  static T sigmoid(T v) { return sigmoid8(v); }
 };
 struct Lanes1 {
   using T = float;
@@ -805,7 +807,7 @@ def conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     dx, dtaps, dbias, dhistory = torch.ops.portable_ssm_cpu.conv_silu_backward(
         dy.contiguous(), x.contiguous(), weight.t().contiguous(), None if bias is None else bias.contiguous(),
         history.contiguous())
-    return dx, dtaps.t(), dbias, dhistory
+    return dx, dtaps.t().contiguous(), dbias, dhistory
 
 
 class ModelWeights(NamedTuple):

@@ -1,7 +1,7 @@
 """Side by side in one process: a training step (forward + backward of ``mean(y²)``) of one
 mamba2-130m-shaped layer on the torch backend with its CPU kernels (:mod:`portable_ssm.backends.
-torch_kernels`: the scan backward's diagonal blocks) and without them (``PORTABLE_SSM_CPU_KERNELS=0``
-between turns), as ``benchmarks/run.py``'s training rows call it.
+torch_kernels`: the training conv and the scan backward's diagonal blocks) and without them
+(``PORTABLE_SSM_CPU_KERNELS=0`` between turns), as ``benchmarks/run.py``'s training rows call it.
 
 Rounds alternate the two (2 steps each in turn), so both share the machine's load; it prints
 medians and their ratio. Tooling, not a test: nothing is asserted.
@@ -43,6 +43,7 @@ def main() -> None:
     step = forward_fn("torch", LAYER_130M, params, x, train=True)
     switch = {"kernels": "1", "torch ops": "0"}
     times: dict[str, list[float]] = {path: [] for path in switch}
+    before = os.environ.get(torch_kernels.ENV)
     try:
         for _ in range(args.rounds + 1):  # the first round warms up
             for path, value in switch.items():
@@ -51,8 +52,11 @@ def main() -> None:
                     start = time.perf_counter()
                     step()
                     times[path].append(time.perf_counter() - start)
-    finally:
-        os.environ.pop(torch_kernels.ENV, None)
+    finally:  # the variable as it was
+        if before is None:
+            os.environ.pop(torch_kernels.ENV, None)
+        else:
+            os.environ[torch_kernels.ENV] = before
     fast, slow = (1e3 * statistics.median(times[path][2:]) for path in switch)
     print(f"torch {torch.__version__}, {args.threads} threads, l={args.length}, {args.rounds} rounds of 2 steps each")
     print(f"training step: kernels {fast:.1f} ms  torch ops {slow:.1f} ms  ratio {slow / fast:.2f}x")
