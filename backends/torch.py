@@ -139,10 +139,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`causal_conv1d`, then ``F.silu`` (one vectorized pass, where the core's
-    ``h + h·tanh(h)`` takes four and torch's tanh is slower than its sigmoid). Where autograd
-    records float32 CPU tensors and :mod:`.torch_kernels` is built: the ``portable_ssm::conv1d_silu``
-    op instead (its forward and backward one kernel each; a 130m layer's training step at l=2048
-    spent about a fifth of its time in autograd of the reference's shifted slices)."""
+    ``h + h·tanh(h)`` takes four and torch's tanh is slower than its sigmoid). For float32 CPU
+    tensors where :mod:`.torch_kernels` is built: the ``portable_ssm::conv1d_silu`` op instead (its
+    forward and backward one kernel each, x read in place from in_proj's output; a 130m layer's
+    training step at l=2048 spent about a fifth of its time in autograd of the reference's shifted
+    slices, and a 130m prompt pass of 2048 tokens about a tenth in the transposing copy and
+    depthwise conv1d of :func:`causal_conv1d`)."""
     if _takes_conv_kernel(x, weight, bias, state):
         k = weight.shape[-1]
         if state is None:
@@ -158,10 +160,10 @@ def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def _takes_conv_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        state: torch.Tensor | None) -> bool:
-    """Whether :func:`causal_conv1d_silu` runs the ``portable_ssm::conv1d_silu`` op: autograd records,
-    every tensor a float32 CPU one, and the kernels built."""
+    """Whether :func:`causal_conv1d_silu` runs the ``portable_ssm::conv1d_silu`` op: every tensor a
+    float32 CPU one, and the kernels built."""
     present = [t for t in (x, weight, bias, state) if t is not None]
-    if not _records_grad(*present) or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in present):
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in present):
         return False
     return _kernels_ready()
 

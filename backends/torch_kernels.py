@@ -19,11 +19,12 @@ bits. :data:`SOURCE` holds small C++ kernels instead:
   to memory past the caches (eager torch otherwise makes about twenty passes over the state and its
   temporaries; inductor's fused loops in a compiled step come close to the kernel);
 * ``decode_model``: the whole batch-1 step of a language model through the two above, in one call;
-* ``conv_silu`` and ``conv_silu_backward``: a training forward's causal depthwise conv and SiLU
-  for float32 tensors in one pass, and its gradients in one more (the pre-activations
-  recomputed), the steps (forward) or channels (backward) split over the threads (autograd of the
-  array-API conv makes about fifteen passes over ``[b, l, conv_dim]`` tensors, zero-filled and
-  concatenated ones among them);
+* ``conv_silu`` and ``conv_silu_backward``: a forward's causal depthwise conv and SiLU for
+  float32 tensors in one pass, x read in place from in_proj's output, and its gradients in one
+  more (the pre-activations recomputed), the steps (forward) or channels (backward) split over
+  the threads (autograd of the array-API conv makes about fifteen passes over ``[b, l, conv_dim]``
+  tensors, zero-filled and concatenated ones among them; torch's depthwise conv1d needs the
+  channels-first copy of x with its history in front);
 * ``scan_diagonal_block``: the diagonal block of one chunk of the training scan's backward
   (:func:`portable_ssm.backends.torch_scan.diagonal_block`) for float32 tensors: each head's
   ``[q, q]`` decays exponentiated once and every product and sum over them taken in the same pass,
@@ -439,10 +440,10 @@ struct Lanes1 {
   static T sigmoid(T v) { return 1.f / (1.f + std::exp(-v)); }
 };
 
-struct ConvRow {  // one row's tensors and sizes; row(P) is xp's step P
+struct ConvRow {  // one row's tensors and sizes; row(P) is xp's step P (x's steps xs floats apart)
   const float *x, *history, *taps, *bias;
-  int64_t l, d, k;
-  const float* row(int64_t P) const { return P < k - 1 ? history + P * d : x + (P - k + 1) * d; }
+  int64_t l, d, k, xs;
+  const float* row(int64_t P) const { return P < k - 1 ? history + P * d : x + (P - k + 1) * xs; }
 };
 
 template <typename V>
@@ -458,10 +459,11 @@ inline typename V::T conv_pre(const ConvRow& r, int64_t t, int64_t c) {  // bias
 constexpr int64_t kConvBlock = 64;
 constexpr int64_t kConvAhead = 16;
 
-// The lines of channels [c0, c1) of step t of a [steps, d] tensor, into the caches.
-inline void prefetch_step(const float* base, int64_t t, int64_t steps, int64_t d, int64_t c0, int64_t c1) {
+// The lines of channels [c0, c1) of step t of a [steps, d] tensor whose steps are stride floats
+// apart, into the caches.
+inline void prefetch_step(const float* base, int64_t t, int64_t steps, int64_t stride, int64_t c0, int64_t c1) {
   if (t < steps) {
-    for (int64_t c = c0; c < c1; c += 16) prefetch(base + t * d + c);
+    for (int64_t c = c0; c < c1; c += 16) prefetch(base + t * stride + c);
   }
 }
 
@@ -493,7 +495,7 @@ void conv_silu_backward_lanes(const ConvRow& r, const float* dy, float* g, int64
     V::store((P < r.k - 1 ? dhistory + P * r.d : dx + (P - r.k + 1) * r.d) + c, acc);
   };
   for (int64_t t = 0; t < r.l; ++t) {
-    prefetch_step(r.x, t + kConvAhead, r.l, r.d, c0, c1);
+    prefetch_step(r.x, t + kConvAhead, r.l, r.xs, c0, c1);
     prefetch_step(dy, t + kConvAhead, r.l, r.d, c0, c1);
     if (t + kConvAhead >= r.k - 1) prefetch_step(dx, t + kConvAhead - r.k + 1, r.l, r.d, c0, c1);
     for (int64_t c = c0; c < c1; c += width) {
@@ -515,7 +517,11 @@ void conv_silu_backward_lanes(const ConvRow& r, const float* dy, float* g, int64
 
 inline void check_conv(const at::Tensor& x, const at::Tensor& taps, const c10::optional<at::Tensor>& bias,
                        const at::Tensor& history) {
-  check_f32(x, "x", 3); check_f32(taps, "taps", 2); check_f32(history, "history", 3);
+  // x may be a view of wider rows (in_proj's output): its channels contiguous, its steps evenly apart
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.stride(1) >= x.size(2) &&
+              x.stride(0) >= x.size(1) * x.stride(1), "conv_silu: x must be a float32 tensor of rank 3 with "
+              "contiguous channels and rows apart, got ", x.sizes(), " strides ", x.strides(), " ", x.scalar_type());
+  check_f32(taps, "taps", 2); check_f32(history, "history", 3);
   const int64_t b = x.size(0), d = x.size(2), k = taps.size(0);
   TORCH_CHECK(k > 0 && taps.size(1) == d && history.size(0) == b && history.size(1) == k - 1 && history.size(2) == d,
               "conv_silu: shapes do not match x ", x.sizes(), ": taps ", taps.sizes(), ", history ", history.sizes());
@@ -528,8 +534,8 @@ inline void check_conv(const at::Tensor& x, const at::Tensor& taps, const c10::o
 inline ConvRow conv_row(const at::Tensor& x, const at::Tensor& taps, const c10::optional<at::Tensor>& bias,
                         const at::Tensor& history, int64_t row) {
   const int64_t l = x.size(1), d = x.size(2), k = taps.size(0);
-  return {x.data_ptr<float>() + row * l * d, history.data_ptr<float>() + row * (k - 1) * d, taps.data_ptr<float>(),
-          bias.has_value() ? bias->data_ptr<float>() : nullptr, l, d, k};
+  return {x.data_ptr<float>() + row * x.stride(0), history.data_ptr<float>() + row * (k - 1) * d, taps.data_ptr<float>(),
+          bias.has_value() ? bias->data_ptr<float>() : nullptr, l, d, k, x.stride(1)};
 }
 
 // y [b, l, d] = silu(causal depthwise conv of x [b, l, d] with taps [k, d], bias [d], history [b, k-1, d]).
@@ -537,7 +543,7 @@ at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& taps, const c10::opt
                      const at::Tensor& history) {
   check_conv(x, taps, bias, history);
   const int64_t b = x.size(0), l = x.size(1), d = x.size(2);
-  at::Tensor y = at::empty_like(x);
+  at::Tensor y = at::empty({b, l, d}, x.options());
   float* yp = y.data_ptr<float>();
   const int64_t split = d / 8 * 8;  // eight channels a vector, then one at a time
   at::parallel_for(0, b * l, 16, [&](int64_t begin, int64_t end) {  // steps in order: each row read once
@@ -560,7 +566,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_silu_backward(
   check_f32(dy, "dy", 3);
   TORCH_CHECK(dy.sizes() == x.sizes(), "conv_silu_backward: dy must be shaped as x ", x.sizes(), ", got ", dy.sizes());
   const int64_t b = x.size(0), l = x.size(1), d = x.size(2), k = taps.size(0);
-  at::Tensor dx = at::empty_like(x), dhistory = at::empty_like(history);
+  at::Tensor dx = at::empty({b, l, d}, x.options()), dhistory = at::empty_like(history);
   at::Tensor dtaps = at::zeros_like(taps), dbias = at::zeros({d}, x.options());
   const float* dyp = dy.data_ptr<float>();
   float *dxp = dx.data_ptr<float>(), *dhp = dhistory.data_ptr<float>();
@@ -791,12 +797,22 @@ def scan_diagonal_block(prefix: torch.Tensor, G: torch.Tensor, dW: torch.Tensor,
                                                           delta.contiguous(), float(floor))
 
 
+def _steps_apart(x: torch.Tensor) -> torch.Tensor:
+    """``x [b, l, d]`` as the conv kernels read it: itself where its channels are contiguous and its
+    steps and rows do not overlap (a slice of in_proj's output, read in place), else a copy."""
+    b, l, d = x.shape
+    if x.stride(2) == 1 and x.stride(1) >= d and x.stride(0) >= l * x.stride(1):
+        return x
+    return x.contiguous()
+
+
 def conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               history: torch.Tensor) -> torch.Tensor:
     """``silu(causal depthwise conv)`` of ``x [b, l, d]`` with ``weight [d, k]``, ``bias [d]`` or
     None, and the ``k-1`` inputs before it, ``history [b, k-1, d]``, all float32: ``y [b, l, d]``
-    (``portable_ssm.conv.causal_conv1d_silu``'s output), eight channels per vector."""
-    return torch.ops.portable_ssm_cpu.conv_silu(x.contiguous(), weight.t().contiguous(),
+    (``portable_ssm.conv.causal_conv1d_silu``'s output), eight channels per vector; x is read in
+    place where its channels are contiguous (:func:`_steps_apart`)."""
+    return torch.ops.portable_ssm_cpu.conv_silu(_steps_apart(x), weight.t().contiguous(),
                                                 None if bias is None else bias.contiguous(), history.contiguous())
 
 
@@ -805,7 +821,7 @@ def conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     """The gradients ``(dx, d weight [d, k], d bias [d], d history)`` of ``sum(dy · conv_silu(x,
     weight, bias, history))``, the pre-activations recomputed; the channels split over the threads."""
     dx, dtaps, dbias, dhistory = torch.ops.portable_ssm_cpu.conv_silu_backward(
-        dy.contiguous(), x.contiguous(), weight.t().contiguous(), None if bias is None else bias.contiguous(),
+        dy.contiguous(), _steps_apart(x), weight.t().contiguous(), None if bias is None else bias.contiguous(),
         history.contiguous())
     return dx, dtaps.t().contiguous(), dbias, dhistory
 

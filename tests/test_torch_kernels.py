@@ -236,14 +236,16 @@ def test_scan_diagonal_block_kernel_refuses_other_dtypes_and_shapes(kernel):
 
 
 def _conv_leaves(seed: int, *, b: int, l: int, d: int, k: int, bias: bool, state: bool,
-                 dtype: torch.dtype = torch.float32) -> list[torch.Tensor | None]:
-    """x [b, l, d], weight [d, k], bias [d] or None, state [b, d, k] or None: leaves requiring grad."""
+                 dtype: torch.dtype = torch.float32, sliced: bool = False) -> list[torch.Tensor | None]:
+    """x [b, l, d], weight [d, k], bias [d] or None, state [b, d, k] or None, requiring grad; with
+    ``sliced`` x is channels 3 to 3+d of a leaf with d+7 (a view, as xBC is of in_proj's output)."""
     rng = np.random.default_rng(seed)
 
     def t(*shape: int) -> torch.Tensor:
         return torch.from_numpy(rng.standard_normal(shape)).to(dtype).requires_grad_()
 
-    return [t(b, l, d), t(d, k), t(d) if bias else None, t(b, d, k) if state else None]
+    x = t(b, l, d + 7)[..., 3:3 + d] if sliced else t(b, l, d)
+    return [x, t(d, k), t(d) if bias else None, t(b, d, k) if state else None]
 
 
 def _conv_and_grads(conv, leaves: list[torch.Tensor | None], seed: int = 9) -> list[torch.Tensor]:
@@ -263,6 +265,7 @@ def _reference_conv_silu(x, weight, bias, state):
 
 
 @requires_kernel
+@pytest.mark.parametrize("sliced", [False, True], ids=["contiguous x", "x a slice of wider rows"])
 @pytest.mark.parametrize(("b", "l", "d", "k", "bias", "state"), [
     (1, 300, 1792, 4, True, False),  # a 130m layer's conv: vectors only
     (2, 37, 21, 4, True, True),  # vectors and single channels, a state to continue
@@ -271,11 +274,11 @@ def _reference_conv_silu(x, weight, bias, state):
     (2, 9, 70, 3, False, False),  # a block of 64 channels and a rest, an odd window
 ])
 def test_training_conv_kernel_gives_the_references_output_state_and_gradients(kernel, monkeypatch, b, l, d, k, bias,
-                                                                              state):
+                                                                              state, sliced):
     calls = []
     real = torch_kernels.conv_silu
     monkeypatch.setattr(torch_kernels, "conv_silu", lambda *a: calls.append(1) or real(*a))
-    leaves = _conv_leaves(4, b=b, l=l, d=d, k=k, bias=bias, state=state)
+    leaves = _conv_leaves(4, b=b, l=l, d=d, k=k, bias=bias, state=state, sliced=sliced)
     got = _conv_and_grads(backend.causal_conv1d_silu, leaves)
     assert calls == [1], "the training conv did not run the kernel"
     want = _conv_and_grads(_reference_conv_silu, leaves)
@@ -286,20 +289,44 @@ def test_training_conv_kernel_gives_the_references_output_state_and_gradients(ke
 
 
 @requires_kernel
-@pytest.mark.parametrize("change", ["float64", "no grad", "kernels off"])
-def test_training_conv_kernel_leaves_float64_inference_and_a_disabled_build_to_the_other_paths(kernel, monkeypatch,
-                                                                                             change):
+@pytest.mark.parametrize("sliced", [False, True], ids=["contiguous x", "x a slice of wider rows"])
+def test_conv_kernel_runs_inference_too_with_the_references_output_and_state(kernel, monkeypatch, sliced):
+    calls = []
+    real = torch_kernels.conv_silu
+    monkeypatch.setattr(torch_kernels, "conv_silu", lambda *a: calls.append(1) or real(*a))
+    leaves = _conv_leaves(5, b=2, l=40, d=21, k=4, bias=True, state=True, sliced=sliced)
+    with torch.inference_mode():
+        y, new_state = backend.causal_conv1d_silu(*leaves)
+    assert calls == [1], "the inference conv did not run the kernel"
+    want_y, want_state = _reference_conv_silu(*leaves)
+    assert rel_err(y.numpy(), want_y.detach().numpy()) < 5e-6 and torch.equal(new_state, want_state.detach())
+
+
+@requires_kernel
+def test_conv_kernel_reads_a_slice_of_wider_rows_in_place_and_copies_overlapping_steps(kernel):
+    wide = torch.randn(2, 9, 30)
+    x = wide[..., 4:25]  # channels contiguous, steps 30 floats apart
+    assert torch_kernels._steps_apart(x) is x
+    repeated = torch.randn(2, 1, 21).expand(2, 9, 21)  # every step the same memory: read from a copy
+    assert torch_kernels._steps_apart(repeated).is_contiguous()
+    weight, bias, history = torch.randn(21, 4), torch.randn(21), torch.randn(2, 3, 21)
+    for v in (x, repeated):
+        assert torch.equal(kernel.conv_silu(v, weight, bias, history), kernel.conv_silu(v.contiguous(), weight, bias,
+                                                                                         history))
+
+
+@requires_kernel
+@pytest.mark.parametrize("change", ["float64", "kernels off"])
+def test_training_conv_kernel_leaves_float64_and_a_disabled_build_to_the_other_paths(kernel, monkeypatch, change):
     monkeypatch.setattr(torch_kernels, "conv_silu", lambda *a: pytest.fail("the kernel took the conv"))
     if change == "kernels off":
         monkeypatch.setenv(torch_kernels.ENV, "0")
     leaves = _conv_leaves(5, b=1, l=12, d=10, k=4, bias=True, state=True,
                           dtype=torch.float64 if change == "float64" else torch.float32)
-    if change == "no grad":
-        with torch.no_grad():
-            y, new_state = backend.causal_conv1d_silu(*leaves)
-        want_y, want_state = _reference_conv_silu(*leaves)
-        assert rel_err(y.numpy(), want_y.detach().numpy()) < 1e-6 and torch.equal(new_state, want_state.detach())
-        return
+    with torch.no_grad():
+        y, new_state = backend.causal_conv1d_silu(*leaves)
+    want_y, want_state = _reference_conv_silu(*leaves)
+    assert rel_err(y.numpy(), want_y.detach().numpy()) < 1e-6 and torch.equal(new_state, want_state.detach())
     got = _conv_and_grads(backend.causal_conv1d_silu, leaves)
     want = _conv_and_grads(_reference_conv_silu, leaves)
     for g_, w in zip(got, want, strict=True):
@@ -313,8 +340,11 @@ def test_training_conv_kernel_refuses_shapes_it_does_not_take(kernel):
         kernel.conv_silu(x, weight, bias, torch.zeros(1, 2, 10))
     with pytest.raises(RuntimeError, match="conv_silu: bias must be"):
         kernel.conv_silu(x, weight, torch.zeros(9), torch.zeros(1, 3, 10))
-    with pytest.raises(RuntimeError, match="x must be a contiguous float32"):
+    with pytest.raises(RuntimeError, match="x must be a float32 tensor of rank 3"):
         kernel.conv_silu(x.double(), weight, bias, torch.zeros(1, 3, 10))
+    with pytest.raises(RuntimeError, match="x must be a float32 tensor of rank 3 with contiguous channels"):
+        torch.ops.portable_ssm_cpu.conv_silu(x.expand(2, 6, 10), weight.t().contiguous(), bias,
+                                             torch.zeros(2, 3, 10))  # rows overlapping: the op itself refuses
     with pytest.raises(RuntimeError, match="conv_silu_backward: dy must be shaped as x"):
         kernel.conv_silu_backward(torch.zeros(1, 5, 10), x, weight, bias, torch.zeros(1, 3, 10))
 
