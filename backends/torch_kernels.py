@@ -534,8 +534,8 @@ inline void check_conv(const at::Tensor& x, const at::Tensor& taps, const c10::o
 inline ConvRow conv_row(const at::Tensor& x, const at::Tensor& taps, const c10::optional<at::Tensor>& bias,
                         const at::Tensor& history, int64_t row) {
   const int64_t l = x.size(1), d = x.size(2), k = taps.size(0);
-  return {x.data_ptr<float>() + row * x.stride(0), history.data_ptr<float>() + row * (k - 1) * d, taps.data_ptr<float>(),
-          bias.has_value() ? bias->data_ptr<float>() : nullptr, l, d, k, x.stride(1)};
+  return {x.data_ptr<float>() + row * x.stride(0), history.data_ptr<float>() + row * (k - 1) * d,
+          taps.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, l, d, k, x.stride(1)};
 }
 
 // y [b, l, d] = silu(causal depthwise conv of x [b, l, d] with taps [k, d], bias [d], history [b, k-1, d]).
