@@ -1,5 +1,5 @@
 """Hand-written CPU kernels for the torch backend: batch-1 decode's one-row matrix products,
-every decode step's state update, and training's conv and the diagonal blocks of its scan's backward.
+every decode step's state update, the conv and SiLU, and the diagonal blocks of the training scan's backward.
 
 A decode step of one row reads every weight once, so its time is the memory bandwidth's. torch's
 own GEMV (MKL on some CPUs takes a generic path) and inductor's generated one (one accumulator
