@@ -205,7 +205,11 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor
                    eps: float) -> torch.Tensor:
     """``portable_ssm.norm.gated_rms_norm_ref`` through ``F.silu`` and ``F.rms_norm`` (fewer passes
     and temporaries, in eager, autograd and compiled graphs alike): ``rmsnorm(y · silu(z))`` per
-    group in float32 at least. ``y, z [..., d]``, weight ``[d]`` -> weight's dtype."""
+    group in float32 at least. ``y, z [..., d]``, weight ``[d]`` -> weight's dtype. For float32 CPU
+    tensors where :mod:`.torch_kernels` is built: the ``portable_ssm::gated_rms_norm`` op instead
+    (forward and backward one kernel pass each over every row, z read in place)."""
+    if _takes_norm_kernel(y, z, weight):
+        return gated_rms_norm_op(y, z, weight, groups, eps)
     cdtype = compute_dtype(xp, weight.dtype)
     v = y.to(cdtype)
     if z is not None:
@@ -213,6 +217,47 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor
     *lead, d = v.shape
     v = F.rms_norm(v.reshape(*lead, groups, d // groups), (d // groups,), eps=eps)  # [..., g, d/g]
     return weight * v.reshape(*lead, d).to(weight.dtype)  # [..., d]
+
+
+def _takes_norm_kernel(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Whether :func:`gated_rms_norm` runs the ``portable_ssm::gated_rms_norm`` op: y, z and the
+    weight float32 CPU tensors of one width, and the kernels built."""
+    present = [t for t in (y, z, weight) if t is not None]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in present):
+        return False
+    if weight.ndim != 1 or y.ndim == 0 or y.shape[-1] != weight.shape[0] or (z is not None and z.shape != y.shape):
+        return False
+    return _kernels_ready()
+
+
+def _gated_rms_norm(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, groups: int,
+                    eps: float) -> torch.Tensor:
+    return torch_kernels.gated_rms_norm(y, z, weight, groups, eps)
+
+
+def _gated_rms_norm_backward(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor,
+                             groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dy, dz, dweight = torch_kernels.gated_rms_norm_backward(dout, y, z, weight, groups, eps)
+    return dy, y.new_empty((0,)) if dz is None else dz, dweight
+
+
+def _gated_rms_norm_backward_shapes(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None,
+                                    weight: torch.Tensor, groups: int,
+                                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(y, memory_format=torch.contiguous_format),
+            y.new_empty((0,)) if z is None else torch.empty_like(z, memory_format=torch.contiguous_format),
+            weight.new_empty(weight.shape))
+
+
+def _save_norm_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.save_for_backward(*inputs[:3])
+    ctx.groups, ctx.eps = inputs[3:]
+
+
+def _norm_op_backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    y, z, weight = ctx.saved_tensors
+    dy, dz, dweight = gated_rms_norm_backward_op(dout, y, z, weight, ctx.groups, ctx.eps)
+    return dy, None if z is None else dz, dweight, None, None
 
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -335,13 +380,15 @@ def _ssd_scan_backward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
     initial_states (an empty tensor for an absent D or initial_states) from the hand-written
     backward (``portable_ssm.backends.torch_scan``, float32 diagonal blocks through
     :mod:`.torch_kernels` where it is built), or, where they come out non-finite (a
-    non-finite input or incoming gradient), from autograd of the reference, which is then exact."""
+    non-finite input or incoming gradient; one sum per gradient tells, a pass where ``isfinite``
+    takes four), from autograd of the reference, which is then exact."""
     inputs = (x, dt, A, B, C, D, initial_states)
     torch_kernels.ensure()  # the diagonal blocks' kernel, built on first use
     backward_chunk = max(chunk_size, min(BACKWARD_CHUNK, x.shape[1]))  # the gradients do not depend on it
     with torch.no_grad():
         grads = torch_scan.ssd_chunked_grad(x, dt, A, B, C, backward_chunk, initial_states, D, dy, dfinal)
-    if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+    sums = torch.stack([g.sum() for g in grads if g is not None])  # non-finite wherever an entry is
+    if not bool(torch.isfinite(sums).all()):  # (or where a sum overflows: the reference is exact there too)
         grads = _reference_scan_grads(chunk_size, inputs, dy, dfinal)
     return tuple(x.new_empty((0,)) if g is None else g.contiguous() for g in grads)  # the strides of the fake
 
@@ -398,6 +445,22 @@ _LIBRARY.impl("conv1d_silu_backward", _conv1d_silu_backward, "CPU")
 torch.library.register_fake("portable_ssm::conv1d_silu_backward", _conv1d_silu_backward_shapes, lib=_LIBRARY)
 torch.library.register_autograd("portable_ssm::conv1d_silu", _conv_op_backward, setup_context=_save_conv_inputs,
                                 lib=_LIBRARY)
+_LIBRARY.define("gated_rms_norm(Tensor y, Tensor? z, Tensor weight, int groups, float eps) -> Tensor")
+_LIBRARY.impl("gated_rms_norm", _gated_rms_norm, "CPU")
+torch.library.register_fake("portable_ssm::gated_rms_norm",
+                            lambda y, *rest: torch.empty_like(y, memory_format=torch.contiguous_format), lib=_LIBRARY)
+_LIBRARY.define("gated_rms_norm_backward(Tensor dout, Tensor y, Tensor? z, Tensor weight, int groups, float eps) "
+                "-> (Tensor, Tensor, Tensor)")
+_LIBRARY.impl("gated_rms_norm_backward", _gated_rms_norm_backward, "CPU")
+torch.library.register_fake("portable_ssm::gated_rms_norm_backward", _gated_rms_norm_backward_shapes, lib=_LIBRARY)
+torch.library.register_autograd("portable_ssm::gated_rms_norm", _norm_op_backward, setup_context=_save_norm_inputs,
+                                lib=_LIBRARY)
+#: The ``portable_ssm::gated_rms_norm`` op, ``(y [..., d], z [..., d] or None, weight [d], groups,
+#: eps) -> weight ⊙ rmsnorm(y ⊙ silu(z)) [..., d]``: every float32 CPU norm (training, prompts and
+#: the per-layer decode step; the whole-model batch-1 step has its own), in eager and compiled
+#: graphs, forward and backward each one :mod:`.torch_kernels` kernel.
+gated_rms_norm_op = torch.ops.portable_ssm.gated_rms_norm
+gated_rms_norm_backward_op = torch.ops.portable_ssm.gated_rms_norm_backward
 #: The ``portable_ssm::conv1d_silu`` op, ``(x [b, l, d], weight [d, k], bias [d] or None, history
 #: [b, k-1, d]) -> silu(conv) [b, l, d]``: the CPU training conv in eager and compiled graphs, forward
 #: and backward each one :mod:`.torch_kernels` kernel (float32; used only where they are built).

@@ -1,5 +1,6 @@
 """Hand-written CPU kernels for the torch backend: batch-1 decode's one-row matrix products,
-every decode step's state update, the conv and SiLU, and the diagonal blocks of the training scan's backward.
+every decode step's state update, the conv and SiLU, the gated RMSNorm, and the diagonal blocks of
+the training scan's backward.
 
 A decode step of one row reads every weight once, so its time is the memory bandwidth's. torch's
 own GEMV (MKL on some CPUs takes a generic path) and inductor's generated one (one accumulator
@@ -25,6 +26,12 @@ bits. :data:`SOURCE` holds small C++ kernels instead:
   the threads (autograd of the array-API conv makes about fifteen passes over ``[b, l, conv_dim]``
   tensors, zero-filled and concatenated ones among them; torch's depthwise conv1d needs the
   channels-first copy of x with its history in front);
+* ``gated_rms_norm`` and ``gated_rms_norm_backward``: ``weight ⊙ rmsnorm(y ⊙ silu(z))`` per group
+  (the layer's norm without the gate too) for float32 tensors in one pass over each row, z read
+  in place from in_proj's output, and its gradients in one more (the gate and the scales
+  recomputed), the rows split over the threads (``F.silu``, ``F.rms_norm`` and their autograd make
+  about a dozen passes over ``[b, l, d_inner]`` tensors: a 130m layer's training step at l=2048 took
+  1.08x as long with them, ``benchmarks/train_kernels_ab.py --only-norm``);
 * ``scan_diagonal_block``: the diagonal block of one chunk of the training scan's backward
   (:func:`portable_ssm.backends.torch_scan.diagonal_block`) for float32 tensors: each head's
   ``[q, q]`` decays exponentiated once and every product and sum over them taken in the same pass,
@@ -426,6 +433,7 @@ struct Lanes8 {
   static T one() { return _mm256_set1_ps(1.0f); }
   static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static T sigmoid(T v) { return sigmoid8(v); }
+  static T set(float v) { return _mm256_set1_ps(v); }
 };
 struct Lanes1 {
   using T = float;
@@ -438,6 +446,7 @@ struct Lanes1 {
   static T one() { return 1.f; }
   static T sub(T a, T b) { return a - b; }
   static T sigmoid(T v) { return 1.f / (1.f + std::exp(-v)); }
+  static T set(float v) { return v; }
 };
 
 struct ConvRow {  // one row's tensors and sizes; row(P) is xp's step P (x's steps xs floats apart)
@@ -590,6 +599,161 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv_silu_backward(
   return {dx, dtaps, dbias, dhistory};
 }
 
+// The gated RMSNorm of training and prompt passes (portable_ssm.norm.gated_rms_norm_ref), one row of
+// d channels at a time: v = y ⊙ silu(z) (v = y without z), each of `groups` slices of m = d/groups
+// channels scaled by r = 1/sqrt(mean(v²) + eps), out = w ⊙ v·r. y, z and dout are [rows, d] with
+// contiguous channels and their rows stride(0) floats apart (z: a slice of in_proj's output, read
+// in place); the rows split over the threads.
+inline void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t d) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.size(0) == rows && t.size(1) == d &&
+              (d == 0 || t.stride(1) == 1) && (rows <= 1 || t.stride(0) >= d), "gated_rms_norm: ", name,
+              " must be a float32 [", rows, ", ", d, "] with contiguous channels and rows apart, got ", t.sizes(),
+              " strides ", t.strides(), " ", t.scalar_type());
+}
+
+inline void check_norm(const at::Tensor& y, const c10::optional<at::Tensor>& z, const at::Tensor& weight,
+                       int64_t groups) {
+  TORCH_CHECK(y.dim() == 2, "gated_rms_norm: y must be of rank 2 [rows, d], got ", y.sizes());
+  check_rows(y, "y", y.size(0), y.size(1));
+  if (z.has_value()) check_rows(*z, "z", y.size(0), y.size(1));
+  check_f32(weight, "weight", 1);
+  TORCH_CHECK(weight.size(0) == y.size(1) && groups > 0 && y.size(1) % groups == 0, "gated_rms_norm: weight must be [",
+              y.size(1), "] and groups (", groups, ") must divide it, got weight ", weight.sizes());
+}
+
+// v[c] = y[c]·silu(z[c]) over [c0, c1) (z == nullptr: y[c]); also s[c] = sigmoid(z[c]) where s != nullptr.
+template <typename V>
+void gate_lanes(const float* y, const float* z, float* v, float* s, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; c += sizeof(typename V::T) / sizeof(float)) {
+    if (z == nullptr) {
+      V::store(v + c, V::load(y + c));
+      continue;
+    }
+    const typename V::T zc = V::load(z + c), sc = V::sigmoid(zc);
+    if (s != nullptr) V::store(s + c, sc);
+    V::store(v + c, V::mul(V::load(y + c), V::mul(zc, sc)));
+  }
+}
+
+inline void gate_row(const float* y, const float* z, float* v, float* s, int64_t d) {
+  const int64_t split = d / 8 * 8;
+  gate_lanes<Lanes8>(y, z, v, s, 0, split);
+  gate_lanes<Lanes1>(y, z, v, s, split, d);
+}
+
+// 1 / sqrt(mean(v²) + eps) over v's m channels.
+inline float inverse_rms(const float* v, int64_t m, double eps) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dot(v, v, m)) / static_cast<double>(m) + eps));
+}
+
+template <typename V>
+void scale_lanes(const float* v, const float* w, float r, float* out, int64_t c0, int64_t c1) {
+  const typename V::T rv = V::set(r);
+  for (int64_t c = c0; c < c1; c += sizeof(typename V::T) / sizeof(float)) {
+    V::store(out + c, V::mul(V::load(w + c), V::mul(V::load(v + c), rv)));
+  }
+}
+
+// out [rows, d] = gated_rms_norm(y, z) ⊙ weight.
+at::Tensor gated_rms_norm(const at::Tensor& y, const c10::optional<at::Tensor>& z, const at::Tensor& weight,
+                          int64_t groups, double eps) {
+  check_norm(y, z, weight, groups);
+  const int64_t rows = y.size(0), d = y.size(1), m = d / groups, ys = y.stride(0);
+  const int64_t zs = z.has_value() ? z->stride(0) : 0;
+  at::Tensor out = at::empty({rows, d}, y.options());
+  const float *yp = y.data_ptr<float>(), *zp = z.has_value() ? z->data_ptr<float>() : nullptr;
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(d);
+    for (int64_t i = begin; i < end; ++i) {
+      gate_row(yp + i * ys, zp == nullptr ? nullptr : zp + i * zs, v.data(), nullptr, d);
+      for (int64_t start = 0; start < d; start += m) {
+        const float r = inverse_rms(v.data() + start, m, eps);
+        const int64_t split = start + m / 8 * 8;
+        scale_lanes<Lanes8>(v.data(), w, r, op + i * d, start, split);
+        scale_lanes<Lanes1>(v.data(), w, r, op + i * d, split, start + m);
+      }
+    }
+  });
+  return out;
+}
+
+// Σ_c a[c]·b[c]·e[c] over n channels.
+inline float dot3(const float* a, const float* b, const float* e, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c)), _mm256_loadu_ps(e + c), s0);
+    s1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(a + c + 8), _mm256_loadu_ps(b + c + 8)),
+                         _mm256_loadu_ps(e + c + 8), s1);
+  }
+  float total = horizontal_sum(_mm256_add_ps(s0, s1));
+  for (; c < n; ++c) total += a[c] * b[c] * e[c];
+  return total;
+}
+
+// One slice's gradients, channels [c0, c1): with u = dout ⊙ w, dv = r·u - coef·v (coef = r³·Σ u·v / m);
+// dweight += dout ⊙ v·r; dy = dv ⊙ silu(z), dz = dv ⊙ y ⊙ silu'(z), silu'(z) = s·(1 + z·(1 - s))
+// (without z: dy = dv).
+template <typename V>
+void norm_backward_lanes(const float* g, const float* w, const float* v, const float* y, const float* z,
+                         const float* s, float r, float coef, float* dw, float* dy, float* dz, int64_t c0, int64_t c1) {
+  const typename V::T rv = V::set(r), cv = V::set(coef), one = V::one();
+  for (int64_t c = c0; c < c1; c += sizeof(typename V::T) / sizeof(float)) {
+    const typename V::T gc = V::load(g + c), vc = V::load(v + c);
+    const typename V::T dv = V::sub(V::mul(rv, V::mul(gc, V::load(w + c))), V::mul(cv, vc));
+    V::store(dw + c, V::fma(gc, V::mul(vc, rv), V::load(dw + c)));
+    if (z == nullptr) {
+      V::store(dy + c, dv);
+      continue;
+    }
+    const typename V::T zc = V::load(z + c), sc = V::load(s + c);
+    V::store(dy + c, V::mul(dv, V::mul(zc, sc)));
+    const typename V::T slope = V::mul(sc, V::add(one, V::mul(zc, V::sub(one, sc))));
+    V::store(dz + c, V::mul(V::mul(dv, V::load(y + c)), slope));
+  }
+}
+
+// The gradients (dy [rows, d], dz [rows, d] or empty without z, dweight [d]) of sum(dout · out) for
+// out = gated_rms_norm(y, z, weight, groups, eps), the gate and the scales recomputed. The rows go in
+// blocks, each summing its own share of dweight; the blocks' shares are added in order after.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_rms_norm_backward(
+    const at::Tensor& dout, const at::Tensor& y, const c10::optional<at::Tensor>& z, const at::Tensor& weight,
+    int64_t groups, double eps) {
+  check_norm(y, z, weight, groups);
+  const int64_t rows = y.size(0), d = y.size(1), m = d / groups, ys = y.stride(0);
+  check_rows(dout, "dout", rows, d);
+  const int64_t zs = z.has_value() ? z->stride(0) : 0, gs = dout.stride(0);
+  const int64_t block = std::max<int64_t>(64, (rows + 255) / 256), blocks = (rows + block - 1) / block;
+  at::Tensor dy = at::empty({rows, d}, y.options());
+  at::Tensor dz = z.has_value() ? at::empty({rows, d}, y.options()) : at::empty({0}, y.options());
+  at::Tensor shares = at::zeros({std::max<int64_t>(blocks, 1), d}, y.options());
+  const float *yp = y.data_ptr<float>(), *zp = z.has_value() ? z->data_ptr<float>() : nullptr;
+  const float *gp = dout.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float *dyp = dy.data_ptr<float>(), *dzp = z.has_value() ? dz.data_ptr<float>() : nullptr;
+  float* sp = shares.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(d), s(d);
+    for (int64_t b = begin; b < end; ++b) {
+      float* dw = sp + b * d;
+      for (int64_t i = b * block; i < std::min(rows, (b + 1) * block); ++i) {
+        const float *yi = yp + i * ys, *zi = zp == nullptr ? nullptr : zp + i * zs, *gi = gp + i * gs;
+        gate_row(yi, zi, v.data(), s.data(), d);
+        for (int64_t start = 0; start < d; start += m) {
+          const float r = inverse_rms(v.data() + start, m, eps);
+          const float coef = r * r * r * dot3(gi + start, w + start, v.data() + start, m) / static_cast<float>(m);
+          const int64_t split = start + m / 8 * 8;
+          float *dyi = dyp + i * d, *dzi = dzp == nullptr ? nullptr : dzp + i * d;
+          norm_backward_lanes<Lanes8>(gi, w, v.data(), yi, zi, s.data(), r, coef, dw, dyi, dzi, start, split);
+          norm_backward_lanes<Lanes1>(gi, w, v.data(), yi, zi, s.data(), r, coef, dw, dyi, dzi, split, start + m);
+        }
+      }
+    }
+  });
+  return {dy, dz, shares.sum(0)};
+}
+
 inline void check_layers(at::TensorList list, int64_t layers, const char* name) {
   TORCH_CHECK(static_cast<int64_t>(list.size()) == layers, "decode_model: ", name, " must hold one tensor per layer (",
               layers, "), got ", list.size());
@@ -664,6 +828,9 @@ TORCH_LIBRARY(portable_ssm_cpu, m) {
   m.def("conv_silu(Tensor x, Tensor taps, Tensor? bias, Tensor history) -> Tensor");
   m.def("conv_silu_backward(Tensor dy, Tensor x, Tensor taps, Tensor? bias, Tensor history) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("gated_rms_norm(Tensor y, Tensor? z, Tensor weight, int groups, float eps) -> Tensor");
+  m.def("gated_rms_norm_backward(Tensor dout, Tensor y, Tensor? z, Tensor weight, int groups, float eps) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(portable_ssm_cpu, CPU, m) {
   m.impl("row_gemv", &row_gemv);
@@ -672,6 +839,8 @@ TORCH_LIBRARY_IMPL(portable_ssm_cpu, CPU, m) {
   m.impl("scan_diagonal_block", &scan_diagonal_block);
   m.impl("conv_silu", &conv_silu);
   m.impl("conv_silu_backward", &conv_silu_backward);
+  m.impl("gated_rms_norm", &gated_rms_norm);
+  m.impl("gated_rms_norm_backward", &gated_rms_norm_backward);
 }
 """
 
@@ -717,6 +886,8 @@ def _build() -> bool:
     torch.library.register_fake("portable_ssm_cpu::scan_diagonal_block")(_scan_diagonal_block_shapes)
     torch.library.register_fake("portable_ssm_cpu::conv_silu")(lambda x, *rest: x.new_empty(x.shape))
     torch.library.register_fake("portable_ssm_cpu::conv_silu_backward")(_conv_silu_backward_shapes)
+    torch.library.register_fake("portable_ssm_cpu::gated_rms_norm")(lambda y, *rest: y.new_empty(y.shape))
+    torch.library.register_fake("portable_ssm_cpu::gated_rms_norm_backward")(_gated_rms_norm_backward_shapes)
     return True
 
 
@@ -745,6 +916,12 @@ def _conv_silu_backward_shapes(dy: torch.Tensor, x: torch.Tensor, taps: torch.Te
                                history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return (x.new_empty(x.shape), taps.new_empty(taps.shape), x.new_empty((x.shape[-1],)),
             history.new_empty(history.shape))
+
+
+def _gated_rms_norm_backward_shapes(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None,
+                                    weight: torch.Tensor, groups: int,
+                                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return y.new_empty(y.shape), y.new_empty(y.shape if z is not None else (0,)), weight.new_empty(weight.shape)
 
 
 def ensure() -> bool:
@@ -824,6 +1001,37 @@ def conv_silu_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
         dy.contiguous(), _steps_apart(x), weight.t().contiguous(), None if bias is None else bias.contiguous(),
         history.contiguous())
     return dx, dtaps.t().contiguous(), dbias, dhistory
+
+
+def _rows_apart(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., d]`` as the norm kernels read it, ``[rows, d]``: a view where its leading axes merge
+    and its channels are contiguous with the rows apart (a slice of in_proj's output, read in
+    place), else a contiguous copy."""
+    rows = t.reshape(-1, t.shape[-1])  # [..., d] -> [rows, d]
+    if rows.stride(-1) == 1 and (rows.shape[0] <= 1 or rows.stride(0) >= rows.shape[1]):
+        return rows
+    return rows.contiguous()
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, groups: int,
+                   eps: float) -> torch.Tensor:
+    """``weight ⊙ rmsnorm(y ⊙ silu(z))`` over each of ``groups`` equal slices of the last axis
+    (``portable_ssm.norm.gated_rms_norm_ref``; ``z=None``: no gate) for float32 ``y, z [..., d]`` and
+    ``weight [d]``, one pass over each row; ``[..., d]`` float32. y and z are read in place where
+    their rows merge into evenly spaced ones (:func:`_rows_apart`)."""
+    out = torch.ops.portable_ssm_cpu.gated_rms_norm(_rows_apart(y), None if z is None else _rows_apart(z),
+                                                    weight.contiguous(), groups, float(eps))
+    return out.view(y.shape)
+
+
+def gated_rms_norm_backward(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor,
+                            groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The gradients ``(dy, dz or None, d weight)`` of ``sum(dout · gated_rms_norm(y, z, weight,
+    groups, eps))``, the gate and the scales recomputed; the rows split over the threads."""
+    dy, dz, dweight = torch.ops.portable_ssm_cpu.gated_rms_norm_backward(
+        _rows_apart(dout), _rows_apart(y), None if z is None else _rows_apart(z), weight.contiguous(), groups,
+        float(eps))
+    return dy.view(y.shape), None if z is None else dz.view(z.shape), dweight
 
 
 class ModelWeights(NamedTuple):

@@ -1,7 +1,8 @@
 """The torch backend's CPU kernels (backends/torch_kernels.py): one decode row times a float32,
 int8 or bfloat16 weight equals the reference product, the fused decode step equals
 ``decode_step_ref``, the whole-model batch-1 step equals the array-API stack, the training conv
-equals autograd of the array-API conv and the training scan's diagonal block its torch ops, eager
+equals autograd of the array-API conv, the norm autograd of the float64 reference and the
+training scan's diagonal block its torch ops, eager
 and compiled decode call them (compiled graphs without a break), autograd and other shapes and
 dtypes keep torch's kernels and the array-API step, and a failed build or
 ``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on them with one warning."""
@@ -347,6 +348,106 @@ def test_training_conv_kernel_refuses_shapes_it_does_not_take(kernel):
                                              torch.zeros(2, 3, 10))  # rows overlapping: the op itself refuses
     with pytest.raises(RuntimeError, match="conv_silu_backward: dy must be shaped as x"):
         kernel.conv_silu_backward(torch.zeros(1, 5, 10), x, weight, bias, torch.zeros(1, 3, 10))
+
+
+def _norm_leaves(seed: int, *, lead: tuple[int, ...], d: int, gate: bool, sliced: bool,
+                 dtype: torch.dtype = torch.float32) -> list[torch.Tensor | None]:
+    """y [*lead, d], z [*lead, d] or None, weight [d], requiring grad; with ``sliced`` z is channels
+    4 to 4+d of a leaf with d+9 (a view, as z is of in_proj's output)."""
+    rng = np.random.default_rng(seed)
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.from_numpy(rng.standard_normal(shape)).to(dtype).requires_grad_()
+
+    y = t(*lead, d)
+    z = (t(*lead, d + 9)[..., 4:4 + d] if sliced else t(*lead, d)) if gate else None
+    return [y, z, t(d)]
+
+
+def _norm_and_grads(norm, leaves: list[torch.Tensor | None], groups: int) -> list[torch.Tensor]:
+    """The output of ``norm(y, z, weight, groups, 1e-5)`` and the gradients of a random probe of it."""
+    out = norm(*leaves, groups, 1e-5)
+    probe = torch.from_numpy(np.random.default_rng(8).standard_normal(tuple(out.shape))).to(out.dtype)
+    present = [v for v in leaves if v is not None]
+    return [out.detach(), *torch.autograd.grad(out, present, probe)]
+
+
+def _reference_norm_float64(y, z, weight, groups, eps):
+    from portable_ssm.norm import gated_rms_norm_ref
+
+    wide = [None if v is None else v.double() for v in (y, z, weight)]
+    return gated_rms_norm_ref(*wide, groups, eps, xp=backend.xp)
+
+
+@requires_kernel
+@pytest.mark.parametrize(("lead", "d", "groups", "gate", "sliced"), [
+    ((1, 300), 1536, 1, True, True),  # a 130m layer's gated norm: z read in place from in_proj's output
+    ((2, 7), 768, 1, False, False),  # the block's norm: no gate
+    ((3,), 21, 3, True, False),  # three groups of seven channels: single lanes only
+    ((2, 3, 2), 40, 2, True, True),  # two leading axes merge into the rows; groups of 20: vectors and a rest
+    ((1, 1), 13, 1, True, True),  # one row
+])
+def test_norm_kernel_gives_the_float64_references_output_and_gradients(kernel, monkeypatch, lead, d, groups, gate,
+                                                                        sliced):
+    calls = []
+    real = torch_kernels.gated_rms_norm
+    monkeypatch.setattr(torch_kernels, "gated_rms_norm", lambda *a: calls.append(1) or real(*a))
+    leaves = _norm_leaves(3, lead=lead, d=d, gate=gate, sliced=sliced)
+    got = _norm_and_grads(backend.gated_rms_norm, leaves, groups)
+    assert calls == [1], "the norm did not run the kernel"
+    want = _norm_and_grads(_reference_norm_float64, leaves, groups)
+    names = ["out", *(n for n, v in zip(("dy", "dz", "dweight"), leaves) if v is not None)]
+    for name, g_, w in zip(names, got, want, strict=True):
+        assert g_.dtype == torch.float32 and g_.shape == w.shape, name
+        assert rel_err(g_.numpy(), w.numpy()) < 2e-6, name
+    with torch.inference_mode():
+        inferred = backend.gated_rms_norm(*leaves, groups, 1e-5)
+    assert calls == [1, 1] and torch.equal(inferred, got[0]), "inference did not run the same kernel"
+
+
+@requires_kernel
+def test_norm_kernel_reads_a_slice_of_wider_rows_in_place_and_copies_overlapping_rows(kernel):
+    wide = torch.randn(2, 9, 30)
+    z = wide[..., 4:25]  # channels contiguous, rows 30 floats apart: merges into [18, 21] in place
+    assert torch_kernels._rows_apart(z).data_ptr() == z.data_ptr() and torch_kernels._rows_apart(z).stride(0) == 30
+    repeated = torch.randn(2, 1, 21).expand(2, 9, 21)  # every row the same memory: read from a copy
+    assert torch_kernels._rows_apart(repeated).is_contiguous()
+    y, weight = torch.randn(2, 9, 21), torch.randn(21)
+    for v in (z, repeated):
+        assert torch.equal(kernel.gated_rms_norm(y, v, weight, 3, 1e-5),
+                           kernel.gated_rms_norm(y, v.contiguous(), weight, 3, 1e-5))
+
+
+@requires_kernel
+@pytest.mark.parametrize("change", ["float64", "kernels off"])
+def test_norm_kernel_leaves_float64_and_a_disabled_build_to_torchs_ops(kernel, monkeypatch, change):
+    monkeypatch.setattr(torch_kernels, "gated_rms_norm", lambda *a: pytest.fail("the kernel took the norm"))
+    if change == "kernels off":
+        monkeypatch.setenv(torch_kernels.ENV, "0")
+    leaves = _norm_leaves(5, lead=(2, 6), d=16, gate=True, sliced=True,
+                          dtype=torch.float64 if change == "float64" else torch.float32)
+    got = _norm_and_grads(backend.gated_rms_norm, leaves, 2)
+    want = _norm_and_grads(_reference_norm_float64, leaves, 2)
+    for g_, w in zip(got, want, strict=True):
+        assert rel_err(g_.numpy(), w.numpy()) < (1e-12 if change == "float64" else 2e-6)
+
+
+@requires_kernel
+def test_norm_kernel_refuses_shapes_it_does_not_take(kernel):
+    y, z, weight = torch.zeros(6, 10), torch.zeros(6, 10), torch.zeros(10)
+    with pytest.raises(RuntimeError, match="gated_rms_norm: weight must be \\[10\\] and groups \\(3\\) must divide"):
+        kernel.gated_rms_norm(y, z, weight, 3, 1e-5)
+    with pytest.raises(RuntimeError, match="gated_rms_norm: weight must be"):
+        kernel.gated_rms_norm(y, z, torch.zeros(9), 1, 1e-5)
+    with pytest.raises(RuntimeError, match="gated_rms_norm: z must be a float32 \\[6, 10\\]"):
+        kernel.gated_rms_norm(y, torch.zeros(5, 10), weight, 1, 1e-5)
+    with pytest.raises(RuntimeError, match="gated_rms_norm: y must be a float32"):
+        kernel.gated_rms_norm(y.double(), None, weight, 1, 1e-5)
+    with pytest.raises(RuntimeError, match="gated_rms_norm: z must be a float32 .* contiguous channels and rows apart"):
+        torch.ops.portable_ssm_cpu.gated_rms_norm(y, torch.zeros(1, 10).expand(6, 10), weight, 1,
+                                                  1e-5)  # rows overlapping: the op itself refuses
+    with pytest.raises(RuntimeError, match="gated_rms_norm: dout must be a float32 \\[6, 10\\]"):
+        kernel.gated_rms_norm_backward(torch.zeros(6, 9), y, z, weight, 1, 1e-5)
 
 
 @requires_kernel
