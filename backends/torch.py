@@ -425,36 +425,37 @@ def _scan_op_backward(ctx: Any, dy: torch.Tensor, dfinal: torch.Tensor) -> tuple
     return (*(None if t is None else g for t, g in zip(saved, grads)), None)
 
 
-_LIBRARY.define("ssd_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? initial_states, "
-                "int chunk_size) -> (Tensor, Tensor)")
-_LIBRARY.impl("ssd_scan", _ssd_scan, "CPU")
-torch.library.register_fake("portable_ssm::ssd_scan", _ssd_scan_shapes, lib=_LIBRARY)
-_LIBRARY.define("ssd_scan_backward(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, "
-                "Tensor? initial_states, int chunk_size, Tensor dy, Tensor dfinal) "
-                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-_LIBRARY.impl("ssd_scan_backward", _ssd_scan_backward, "CPU")
-torch.library.register_fake("portable_ssm::ssd_scan_backward", _ssd_scan_backward_shapes, lib=_LIBRARY)
-torch.library.register_autograd("portable_ssm::ssd_scan", _scan_op_backward, setup_context=_save_scan_inputs,
-                                lib=_LIBRARY)
-_LIBRARY.define("conv1d_silu(Tensor x, Tensor weight, Tensor? bias, Tensor history) -> Tensor")
-_LIBRARY.impl("conv1d_silu", _conv1d_silu, "CPU")
-torch.library.register_fake("portable_ssm::conv1d_silu", lambda x, *rest: torch.empty_like(x), lib=_LIBRARY)
-_LIBRARY.define("conv1d_silu_backward(Tensor dy, Tensor x, Tensor weight, Tensor? bias, Tensor history) "
-                "-> (Tensor, Tensor, Tensor, Tensor)")
-_LIBRARY.impl("conv1d_silu_backward", _conv1d_silu_backward, "CPU")
-torch.library.register_fake("portable_ssm::conv1d_silu_backward", _conv1d_silu_backward_shapes, lib=_LIBRARY)
-torch.library.register_autograd("portable_ssm::conv1d_silu", _conv_op_backward, setup_context=_save_conv_inputs,
-                                lib=_LIBRARY)
-_LIBRARY.define("gated_rms_norm(Tensor y, Tensor? z, Tensor weight, int groups, float eps) -> Tensor")
-_LIBRARY.impl("gated_rms_norm", _gated_rms_norm, "CPU")
-torch.library.register_fake("portable_ssm::gated_rms_norm",
-                            lambda y, *rest: torch.empty_like(y, memory_format=torch.contiguous_format), lib=_LIBRARY)
-_LIBRARY.define("gated_rms_norm_backward(Tensor dout, Tensor y, Tensor? z, Tensor weight, int groups, float eps) "
-                "-> (Tensor, Tensor, Tensor)")
-_LIBRARY.impl("gated_rms_norm_backward", _gated_rms_norm_backward, "CPU")
-torch.library.register_fake("portable_ssm::gated_rms_norm_backward", _gated_rms_norm_backward_shapes, lib=_LIBRARY)
-torch.library.register_autograd("portable_ssm::gated_rms_norm", _norm_op_backward, setup_context=_save_norm_inputs,
-                                lib=_LIBRARY)
+def _define_with_backward(name: str, schema: str, impl: Callable[..., Any], shapes: Callable[..., Any],
+                          backward_schema: str, backward_impl: Callable[..., Any],
+                          backward_shapes: Callable[..., Any], backward: Callable[..., Any],
+                          setup_context: Callable[..., Any]) -> None:
+    """The ops ``portable_ssm::<name>`` and ``portable_ssm::<name>_backward`` (each its CPU
+    implementation and its shapes for compiled graphs), the second reached by autograd of the first
+    through ``backward``, with the inputs ``setup_context`` keeps."""
+    for op, signature, fn, fake in ((name, schema, impl, shapes),
+                                    (f"{name}_backward", backward_schema, backward_impl, backward_shapes)):
+        _LIBRARY.define(op + signature)
+        _LIBRARY.impl(op, fn, "CPU")
+        torch.library.register_fake(f"portable_ssm::{op}", fake, lib=_LIBRARY)
+    torch.library.register_autograd(f"portable_ssm::{name}", backward, setup_context=setup_context, lib=_LIBRARY)
+
+
+_define_with_backward(
+    "ssd_scan", "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? initial_states, "
+    "int chunk_size) -> (Tensor, Tensor)", _ssd_scan, _ssd_scan_shapes,
+    "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? initial_states, int chunk_size, "
+    "Tensor dy, Tensor dfinal) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _ssd_scan_backward,
+    _ssd_scan_backward_shapes, _scan_op_backward, _save_scan_inputs)
+_define_with_backward(
+    "conv1d_silu", "(Tensor x, Tensor weight, Tensor? bias, Tensor history) -> Tensor", _conv1d_silu,
+    lambda x, *rest: torch.empty_like(x),
+    "(Tensor dy, Tensor x, Tensor weight, Tensor? bias, Tensor history) -> (Tensor, Tensor, Tensor, Tensor)",
+    _conv1d_silu_backward, _conv1d_silu_backward_shapes, _conv_op_backward, _save_conv_inputs)
+_define_with_backward(
+    "gated_rms_norm", "(Tensor y, Tensor? z, Tensor weight, int groups, float eps) -> Tensor", _gated_rms_norm,
+    lambda y, *rest: torch.empty_like(y, memory_format=torch.contiguous_format),
+    "(Tensor dout, Tensor y, Tensor? z, Tensor weight, int groups, float eps) -> (Tensor, Tensor, Tensor)",
+    _gated_rms_norm_backward, _gated_rms_norm_backward_shapes, _norm_op_backward, _save_norm_inputs)
 #: The ``portable_ssm::gated_rms_norm`` op, ``(y [..., d], z [..., d] or None, weight [d], groups,
 #: eps) -> weight ⊙ rmsnorm(y ⊙ silu(z)) [..., d]``: every float32 CPU norm (training, prompts and
 #: the per-layer decode step; the whole-model batch-1 step has its own), in eager and compiled
@@ -462,7 +463,7 @@ torch.library.register_autograd("portable_ssm::gated_rms_norm", _norm_op_backwar
 gated_rms_norm_op = torch.ops.portable_ssm.gated_rms_norm
 gated_rms_norm_backward_op = torch.ops.portable_ssm.gated_rms_norm_backward
 #: The ``portable_ssm::conv1d_silu`` op, ``(x [b, l, d], weight [d, k], bias [d] or None, history
-#: [b, k-1, d]) -> silu(conv) [b, l, d]``: the CPU training conv in eager and compiled graphs, forward
+#: [b, k-1, d]) -> silu(conv) [b, l, d]``: the float32 CPU conv in eager and compiled graphs, forward
 #: and backward each one :mod:`.torch_kernels` kernel (float32; used only where they are built).
 conv1d_silu = torch.ops.portable_ssm.conv1d_silu
 conv1d_silu_backward = torch.ops.portable_ssm.conv1d_silu_backward
