@@ -188,8 +188,18 @@ def _save_conv_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.save_for_backward(*inputs)
 
 
+def _conv1d_silu_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       history: torch.Tensor) -> torch.Tensor:
+    """The ``portable_ssm::conv1d_silu`` op through the core's conv and ``F.silu``: the inputs
+    ``history [b, k-1, d]`` before x as the conv state ``[b, d, k]`` whose first column it never reads."""
+    state = F.pad(history.transpose(1, 2), (1, 0))  # [b, k-1, d] -> [b, d, k]
+    return F.silu(causal_conv1d_ref(x, weight, bias, state, xp=xp)[0])
+
+
 def _conv_op_backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, weight, bias, history = ctx.saved_tensors
+    if torch.is_grad_enabled():  # a backward that is differentiated in turn
+        return _recorded_grads(_conv1d_silu_torch, (x, weight, bias, history), (dy,))
     dx, dweight, dbias, dhistory = conv1d_silu_backward(dy, x, weight, bias, history)
     return dx, dweight, None if bias is None else dbias, dhistory
 
@@ -210,6 +220,12 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor
     (forward and backward one kernel pass each over every row, z read in place)."""
     if _takes_norm_kernel(y, z, weight):
         return gated_rms_norm_op(y, z, weight, groups, eps)
+    return _gated_rms_norm_torch(y, z, weight, groups, eps)
+
+
+def _gated_rms_norm_torch(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, groups: int,
+                          eps: float) -> torch.Tensor:
+    """:func:`gated_rms_norm` through torch's ops alone."""
     cdtype = compute_dtype(xp, weight.dtype)
     v = y.to(cdtype)
     if z is not None:
@@ -256,8 +272,27 @@ def _save_norm_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _norm_op_backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     y, z, weight = ctx.saved_tensors
+    if torch.is_grad_enabled():  # a backward that is differentiated in turn
+        return (*_recorded_grads(_gated_rms_norm_torch, (y, z, weight), (dout,), ctx.groups, ctx.eps), None, None)
     dy, dz, dweight = gated_rms_norm_backward_op(dout, y, z, weight, ctx.groups, ctx.eps)
     return dy, None if z is None else dz, dweight, None, None
+
+
+def _recorded_grads(fn: Callable[..., Any], tensors: tuple[torch.Tensor | None, ...], grads: tuple[torch.Tensor, ...],
+                    *args: Any) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of ``fn(*tensors, *args)`` (one output or a tuple, against ``grads``) for the
+    tensors autograd records, themselves recorded (``create_graph``); None for the others. An op's
+    backward returns these while a backward is differentiated in turn (``create_graph=True``: a
+    gradient penalty, a Hessian-vector product): the kernels' gradients have no gradients of their
+    own, and autograd would treat them as constants, silently."""
+    wanted = [t for t in tensors if t is not None and t.requires_grad]
+    if not wanted:
+        return (None,) * len(tensors)
+    with torch.enable_grad():
+        outputs = fn(*tensors, *args)
+        found = iter(torch.autograd.grad(outputs if isinstance(outputs, tuple) else (outputs,), wanted, grads,
+                                         create_graph=True, allow_unused=True))
+    return tuple(next(found) if t is not None and t.requires_grad else None for t in tensors)
 
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -421,6 +456,14 @@ def _save_scan_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _scan_op_backward(ctx: Any, dy: torch.Tensor, dfinal: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     saved = ctx.saved_tensors
+    if torch.is_grad_enabled():  # a backward that is differentiated in turn: autograd of the reference
+
+        def reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                      D: torch.Tensor | None, initial_states: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            return ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=ctx.chunk_size, initial_states=initial_states,
+                                       xp=xp, D=D)
+
+        return (*_recorded_grads(reference, saved, (dy, dfinal)), None)
     grads = ssd_scan_backward(*saved, ctx.chunk_size, dy, dfinal)
     return (*(None if t is None else g for t, g in zip(saved, grads)), None)
 

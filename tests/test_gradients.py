@@ -241,6 +241,31 @@ def test_scan_op_backward_in_longer_chunks_than_the_forward_gives_the_same_gradi
         assert rel_err(native[name].numpy(), grad.numpy()) < rtol, name
 
 
+def test_scan_op_backward_is_differentiable_with_the_references_second_derivatives(scan_op_on_short_rows):
+    """A backward differentiated in turn (create_graph: a gradient penalty, a Hessian-vector
+    product) gets autograd of the reference inside the op's backward, not constants."""
+    from portable_ssm.backends import torch as torch_backend
+
+    from portable_ssm import ssd
+
+    args = _scan_case(torch.float64, b=1, l=12, h=2, g=1)
+
+    def second(native):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in args.items()}
+        x, dt, A, B, C, D, initial = leaves.values()
+        if native:
+            y, final = torch_backend.ssd_chunked(x, dt, A, B, C, 5, initial, D=D)
+        else:
+            y, final = ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=5, initial_states=initial,
+                                           xp=torch_backend.xp, D=D)
+        firsts = torch.autograd.grad(_probe(y) + _probe(final, seed=2), list(leaves.values()), create_graph=True)
+        penalty = sum((g * g).sum() for g in firsts)
+        return torch.autograd.grad(penalty, list(leaves.values()))
+
+    for name, got, want in zip(args, second(native=True), second(native=False), strict=True):
+        assert rel_err(got.numpy(), want.numpy()) < 1e-12, name
+
+
 def test_scan_op_gives_the_references_gradients_for_a_non_finite_input(scan_op_on_short_rows):
     args = _scan_case(torch.float64, b=1, l=20, g=1)
     x = args["x"].detach().clone()

@@ -2,10 +2,10 @@
 int8 or bfloat16 weight equals the reference product, the fused decode step equals
 ``decode_step_ref``, the whole-model batch-1 step equals the array-API stack, the training conv
 equals autograd of the array-API conv, the norm autograd of the float64 reference and the
-training scan's diagonal block its torch ops, eager
-and compiled decode call them (compiled graphs without a break), autograd and other shapes and
-dtypes keep torch's kernels and the array-API step, and a failed build or
-``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on them with one warning."""
+training scan's diagonal block its torch ops, the conv and norm ops differentiated twice give
+torch's second derivatives, eager and compiled decode call them (compiled graphs without a
+break), autograd and other shapes and dtypes keep torch's kernels and the array-API step, and a
+failed build or ``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on them with one warning."""
 
 from __future__ import annotations
 
@@ -448,6 +448,41 @@ def test_norm_kernel_refuses_shapes_it_does_not_take(kernel):
                                                   1e-5)  # rows overlapping: the op itself refuses
     with pytest.raises(RuntimeError, match="gated_rms_norm: dout must be a float32 \\[6, 10\\]"):
         kernel.gated_rms_norm_backward(torch.zeros(6, 9), y, z, weight, 1, 1e-5)
+
+
+def _second_derivatives(fn, leaves: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The gradients of a penalty on the first gradients of a probe of ``fn(*leaves)`` (create_graph)."""
+    out = fn(*leaves)
+    probe = torch.from_numpy(np.random.default_rng(6).standard_normal(tuple(out.shape))).to(out.dtype)
+    present = [v for v in leaves if v is not None]
+    firsts = torch.autograd.grad(out, present, probe, create_graph=True)
+    return list(torch.autograd.grad(sum((g * g).sum() for g in firsts), present))
+
+
+@requires_kernel
+@pytest.mark.parametrize("op", ["conv", "norm"])
+def test_kernel_ops_backward_is_differentiable_with_torchs_second_derivatives(kernel, monkeypatch, op):
+    """A backward differentiated in turn (create_graph) runs torch's ops inside the op's backward:
+    the kernels' gradients would be constants to autograd, and the second derivatives silently wrong."""
+    if op == "conv":
+        leaves = _conv_leaves(2, b=2, l=9, d=12, k=4, bias=True, state=True, sliced=True)
+
+        def fn(*v):
+            return backend.causal_conv1d_silu(*v)[0]
+    else:
+        leaves = _norm_leaves(2, lead=(2, 5), d=16, gate=True, sliced=True)
+
+        def fn(*v):
+            return backend.gated_rms_norm(*v, 2, 1e-5)
+    calls = []
+    real = getattr(torch_kernels, {"conv": "conv_silu", "norm": "gated_rms_norm"}[op])
+    monkeypatch.setattr(torch_kernels, real.__name__, lambda *a: calls.append(1) or real(*a))
+    got = _second_derivatives(fn, leaves)
+    assert calls == [1], "the forward did not run the kernel"
+    monkeypatch.setenv(torch_kernels.ENV, "0")
+    want = _second_derivatives(fn, leaves)
+    for g_, w in zip(got, want, strict=True):
+        assert rel_err(g_.numpy(), w.numpy()) < 1e-6
 
 
 @requires_kernel
