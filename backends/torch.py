@@ -253,16 +253,7 @@ def _gated_rms_norm(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tenso
 
 def _gated_rms_norm_backward(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor,
                              groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dy, dz, dweight = torch_kernels.gated_rms_norm_backward(dout, y, z, weight, groups, eps)
-    return dy, y.new_empty((0,)) if dz is None else dz, dweight
-
-
-def _gated_rms_norm_backward_shapes(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None,
-                                    weight: torch.Tensor, groups: int,
-                                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.empty_like(y, memory_format=torch.contiguous_format),
-            y.new_empty((0,)) if z is None else torch.empty_like(z, memory_format=torch.contiguous_format),
-            weight.new_empty(weight.shape))
+    return torch_kernels.gated_rms_norm_backward(dout, y, z, weight, groups, eps)
 
 
 def _save_norm_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -498,7 +489,7 @@ _define_with_backward(
     "gated_rms_norm", "(Tensor y, Tensor? z, Tensor weight, int groups, float eps) -> Tensor", _gated_rms_norm,
     lambda y, *rest: torch.empty_like(y, memory_format=torch.contiguous_format),
     "(Tensor dout, Tensor y, Tensor? z, Tensor weight, int groups, float eps) -> (Tensor, Tensor, Tensor)",
-    _gated_rms_norm_backward, _gated_rms_norm_backward_shapes, _norm_op_backward, _save_norm_inputs)
+    _gated_rms_norm_backward, torch_kernels.gated_rms_norm_backward_shapes, _norm_op_backward, _save_norm_inputs)
 #: The ``portable_ssm::gated_rms_norm`` op, ``(y [..., d], z [..., d] or None, weight [d], groups,
 #: eps) -> weight ⊙ rmsnorm(y ⊙ silu(z)) [..., d]``: every float32 CPU norm (training, prompts and
 #: the per-layer decode step; the whole-model batch-1 step has its own), in eager and compiled

@@ -19,7 +19,8 @@ bits. :data:`SOURCE` holds small C++ kernels instead:
   heads split over the threads, each new state row multiplied by C as it is written and streamed
   to memory past the caches (eager torch otherwise makes about twenty passes over the state and its
   temporaries; inductor's fused loops in a compiled step come close to the kernel);
-* ``decode_model``: the whole batch-1 step of a language model through the two above, in one call;
+* ``decode_model``: the whole batch-1 step of a language model through the two above and the norm
+  kernel below, in one call;
 * ``conv_silu`` and ``conv_silu_backward``: a forward's causal depthwise conv and SiLU for
   float32 tensors in one pass, x read in place from in_proj's output, and its gradients in one
   more (the pre-activations recomputed), the steps (forward) or channels (backward) split over
@@ -333,19 +334,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_step(
     _mm_sfence();  // the streamed rows are visible before the step returns
   });
   return {y, new_conv, new_ssm};
-}
-
-// out = weight · x / sqrt(mean(x²) + eps) over each of `groups` equal slices of x [1, d].
-at::Tensor grouped_rms_norm(const at::Tensor& x, const at::Tensor& weight, int64_t groups, float eps) {
-  const int64_t d = x.size(1), width = d / groups;
-  at::Tensor out = at::empty_like(x);
-  const float *v = x.data_ptr<float>(), *w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  for (int64_t start = 0; start < d; start += width) {
-    const float inv = 1.0f / std::sqrt(dot(v + start, v + start, width) / static_cast<float>(width) + eps);
-    for (int64_t j = start; j < start + width; ++j) o[j] = w[j] * (v[j] * inv);
-  }
-  return out;
 }
 
 // The diagonal block of the chunked scan's backward (portable_ssm.backends.torch_scan's step 1) for
@@ -790,7 +778,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
     if (i > 0) residual = residual + hidden;
     check_f32(norms[i], "norms[i]", 1); check_f32(gate_norms[i], "gate_norms[i]", 1);
     TORCH_CHECK(norms[i].size(0) == x.size(1), "decode_model: norms[", i, "] must be [", x.size(1), "]");
-    const at::Tensor zxbcdt = row_gemv(grouped_rms_norm(residual, norms[i], 1, e), in_weights[i], in_scales.get(i));
+    const at::Tensor normed = gated_rms_norm(residual, c10::nullopt, norms[i], 1, e);
+    const at::Tensor zxbcdt = row_gemv(normed, in_weights[i], in_scales.get(i));
     const int64_t h = dt_biases[i].size(0), d_inner = h * headdim, conv_dim = conv_weights[i].size(0);
     TORCH_CHECK(zxbcdt.size(1) == d_inner + conv_dim + h && gate_norms[i].size(0) == d_inner,
                 "decode_model: layer ", i, "'s in_proj gives ", zxbcdt.size(1), " outputs, not [z, xBC, dt] = ",
@@ -799,7 +788,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
         zxbcdt.narrow(1, d_inner, conv_dim), zxbcdt.narrow(1, d_inner + conv_dim, h), zxbcdt.narrow(1, 0, d_inner),
         conv_states[i], ssm_states[i], conv_weights[i].reshape({conv_dim, -1}), conv_biases.get(i), dt_biases[i],
         -at::exp(A_logs[i]), Ds[i], low, high, ngroups, headdim);
-    hidden = row_gemv(grouped_rms_norm(y, gate_norms[i], ngroups, e), out_weights[i], out_scales.get(i));
+    hidden = row_gemv(gated_rms_norm(y, c10::nullopt, gate_norms[i], ngroups, e), out_weights[i], out_scales.get(i));
     TORCH_CHECK(hidden.size(1) == x.size(1), "decode_model: layer ", i, "'s out_proj gives ", hidden.size(1),
                 " outputs, not d_model = ", x.size(1));
     convs.push_back(std::move(conv));
@@ -807,7 +796,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
   }
   check_f32(norm_f, "norm_f", 1);
   TORCH_CHECK(norm_f.size(0) == x.size(1), "decode_model: norm_f must be [", x.size(1), "], got ", norm_f.sizes());
-  const at::Tensor out = grouped_rms_norm(layers > 0 ? residual + hidden : x, norm_f, 1, e);
+  const at::Tensor out = gated_rms_norm(layers > 0 ? residual + hidden : x, c10::nullopt, norm_f, 1, e);
   return {row_gemv(out, head, head_scale), convs, ssms};
 }
 
@@ -887,7 +876,7 @@ def _build() -> bool:
     torch.library.register_fake("portable_ssm_cpu::conv_silu")(lambda x, *rest: x.new_empty(x.shape))
     torch.library.register_fake("portable_ssm_cpu::conv_silu_backward")(_conv_silu_backward_shapes)
     torch.library.register_fake("portable_ssm_cpu::gated_rms_norm")(lambda y, *rest: y.new_empty(y.shape))
-    torch.library.register_fake("portable_ssm_cpu::gated_rms_norm_backward")(_gated_rms_norm_backward_shapes)
+    torch.library.register_fake("portable_ssm_cpu::gated_rms_norm_backward")(gated_rms_norm_backward_shapes)
     return True
 
 
@@ -918,9 +907,11 @@ def _conv_silu_backward_shapes(dy: torch.Tensor, x: torch.Tensor, taps: torch.Te
             history.new_empty(history.shape))
 
 
-def _gated_rms_norm_backward_shapes(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None,
-                                    weight: torch.Tensor, groups: int,
-                                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gated_rms_norm_backward_shapes(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None,
+                                   weight: torch.Tensor, groups: int,
+                                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The shapes :func:`gated_rms_norm_backward` returns (its op's and ``portable_ssm::gated_rms_norm_backward``'s
+    fake): ``(dy, dz, d weight)``, dz empty without z."""
     return y.new_empty(y.shape), y.new_empty(y.shape if z is not None else (0,)), weight.new_empty(weight.shape)
 
 
@@ -1025,13 +1016,13 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor
 
 
 def gated_rms_norm_backward(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor,
-                            groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The gradients ``(dy, dz or None, d weight)`` of ``sum(dout · gated_rms_norm(y, z, weight,
-    groups, eps))``, the gate and the scales recomputed; the rows split over the threads."""
+                            groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients ``(dy, dz, d weight)`` of ``sum(dout · gated_rms_norm(y, z, weight, groups,
+    eps))`` (dz empty without z), the gate and the scales recomputed; the rows split over the threads."""
     dy, dz, dweight = torch.ops.portable_ssm_cpu.gated_rms_norm_backward(
         _rows_apart(dout), _rows_apart(y), None if z is None else _rows_apart(z), weight.contiguous(), groups,
         float(eps))
-    return dy.view(y.shape), None if z is None else dz.view(z.shape), dweight
+    return dy.view(y.shape), dz if z is None else dz.view(z.shape), dweight
 
 
 class ModelWeights(NamedTuple):
