@@ -199,7 +199,7 @@ def _conv1d_silu_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def _conv_op_backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, weight, bias, history = ctx.saved_tensors
     if torch.is_grad_enabled():  # a backward that is differentiated in turn
-        return _recorded_grads(_conv1d_silu_torch, (x, weight, bias, history), (dy,))
+        return _autograd_grads(_conv1d_silu_torch, (x, weight, bias, history), (dy,), create_graph=True)
     dx, dweight, dbias, dhistory = conv1d_silu_backward(dy, x, weight, bias, history)
     return dx, dweight, None if bias is None else dbias, dhistory
 
@@ -264,25 +264,26 @@ def _save_norm_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _norm_op_backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     y, z, weight = ctx.saved_tensors
     if torch.is_grad_enabled():  # a backward that is differentiated in turn
-        return (*_recorded_grads(_gated_rms_norm_torch, (y, z, weight), (dout,), ctx.groups, ctx.eps), None, None)
+        grads = _autograd_grads(_gated_rms_norm_torch, (y, z, weight), (dout,), ctx.groups, ctx.eps, create_graph=True)
+        return (*grads, None, None)
     dy, dz, dweight = gated_rms_norm_backward_op(dout, y, z, weight, ctx.groups, ctx.eps)
     return dy, None if z is None else dz, dweight, None, None
 
 
-def _recorded_grads(fn: Callable[..., Any], tensors: tuple[torch.Tensor | None, ...], grads: tuple[torch.Tensor, ...],
-                    *args: Any) -> tuple[torch.Tensor | None, ...]:
+def _autograd_grads(fn: Callable[..., Any], tensors: tuple[torch.Tensor | None, ...], grads: tuple[torch.Tensor, ...],
+                    *args: Any, create_graph: bool) -> tuple[torch.Tensor | None, ...]:
     """The gradients of ``fn(*tensors, *args)`` (one output or a tuple, against ``grads``) for the
-    tensors autograd records, themselves recorded (``create_graph``); None for the others. An op's
-    backward returns these while a backward is differentiated in turn (``create_graph=True``: a
-    gradient penalty, a Hessian-vector product): the kernels' gradients have no gradients of their
-    own, and autograd would treat them as constants, silently."""
+    tensors autograd records; None for the others. With ``create_graph`` they are recorded in turn:
+    what an op's backward returns while a backward is differentiated (``create_graph=True``: a
+    gradient penalty, a Hessian-vector product), since the kernels' gradients have no gradients of
+    their own and autograd would treat them as constants, silently."""
     wanted = [t for t in tensors if t is not None and t.requires_grad]
     if not wanted:
         return (None,) * len(tensors)
     with torch.enable_grad():
         outputs = fn(*tensors, *args)
         found = iter(torch.autograd.grad(outputs if isinstance(outputs, tuple) else (outputs,), wanted, grads,
-                                         create_graph=True, allow_unused=True))
+                                         create_graph=create_graph, allow_unused=True))
     return tuple(next(found) if t is not None and t.requires_grad else None for t in tensors)
 
 
@@ -426,18 +427,19 @@ def _ssd_scan_backward_shapes(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
                  for t in (x, dt, A, B, C, D, initial_states))
 
 
+def _reference_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                    D: torch.Tensor | None, initial_states: torch.Tensor | None,
+                    chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``portable_ssm.ssd.ssd_chunked_ref`` with the ``portable_ssm::ssd_scan`` op's arguments."""
+    return ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states, xp=xp, D=D)
+
+
 def _reference_scan_grads(chunk_size: int, inputs: tuple[torch.Tensor | None, ...], dy: torch.Tensor,
                           dfinal: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     """Autograd of ``portable_ssm.ssd.ssd_chunked_ref`` at ``inputs`` ``(x, Δ, A, B, C, D,
     initial_states)``: their gradients (None for a None input)."""
     leaves = tuple(None if t is None else t.detach().requires_grad_() for t in inputs)
-    x, dt, A, B, C, D, initial_states = leaves
-    present = [t for t in leaves if t is not None]
-    with torch.enable_grad():
-        y, final = ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
-                                       xp=xp, D=D)
-        grads = iter(torch.autograd.grad((y, final), present, (dy, dfinal), allow_unused=True))
-    return tuple(None if t is None else next(grads) for t in leaves)
+    return _autograd_grads(_reference_scan, leaves, (dy, dfinal), chunk_size, create_graph=False)
 
 
 def _save_scan_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -448,13 +450,7 @@ def _save_scan_inputs(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _scan_op_backward(ctx: Any, dy: torch.Tensor, dfinal: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     saved = ctx.saved_tensors
     if torch.is_grad_enabled():  # a backward that is differentiated in turn: autograd of the reference
-
-        def reference(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                      D: torch.Tensor | None, initial_states: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            return ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=ctx.chunk_size, initial_states=initial_states,
-                                       xp=xp, D=D)
-
-        return (*_recorded_grads(reference, saved, (dy, dfinal)), None)
+        return (*_autograd_grads(_reference_scan, saved, (dy, dfinal), ctx.chunk_size, create_graph=True), None)
     grads = ssd_scan_backward(*saved, ctx.chunk_size, dy, dfinal)
     return (*(None if t is None else g for t, g in zip(saved, grads)), None)
 
