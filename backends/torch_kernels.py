@@ -1,6 +1,6 @@
 """Hand-written CPU kernels for the torch backend: batch-1 decode's one-row matrix products,
-every decode step's state update, the conv and SiLU, the gated RMSNorm, and the diagonal blocks of
-the training scan's backward.
+every decode step's state update, the conv and SiLU, the gated RMSNorm, the chunked scan, and the
+diagonal blocks of the training scan's backward.
 
 A decode step of one row reads every weight once, so its time is the memory bandwidth's. torch's
 own GEMV (MKL on some CPUs takes a generic path) and inductor's generated one (one accumulator
@@ -33,6 +33,11 @@ bits. :data:`SOURCE` holds small C++ kernels instead:
   recomputed), the rows split over the threads (``F.silu``, ``F.rms_norm`` and their autograd make
   about a dozen passes over ``[b, l, d_inner]`` tensors: a 130m layer's training step at l=2048 took
   1.08x as long with them, ``benchmarks/train_kernels_ab.py --only-norm``);
+* ``scan_forward``: the chunked scan of float32 tensors (inference, prompts and the training scan
+  op's forward): NumPy's native chunk loop in one C++ pass per block of heads of a group, the
+  blocks split over the threads, each chunk's products one matrix product each for the block
+  (NumPy's loop makes about twenty passes over each chunk's ``[heads, Q, Q]`` decays and its
+  temporaries: 26 against 11 ms for a 130m layer's scan at l=2048 on 2 threads);
 * ``scan_diagonal_block``: the diagonal block of one chunk of the training scan's backward
   (:func:`portable_ssm.backends.torch_scan.diagonal_block`) for float32 tensors: each head's
   ``[q, q]`` decays exponentiated once and every product and sum over them taken in the same pass,
@@ -55,6 +60,7 @@ and torch's kernels, the array-API step and the backward's torch ops stay; nothi
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import platform
 import warnings
@@ -62,6 +68,8 @@ from functools import lru_cache
 from typing import Any, NamedTuple
 
 import torch
+
+from portable_ssm import ssd
 
 #: The environment variable that turns the kernels off (``0``); anything else leaves them on.
 ENV = "PORTABLE_SSM_CPU_KERNELS"
@@ -221,6 +229,19 @@ inline __m256 sigmoid8(__m256 v) {  // 1 / (1 + exp(-v))
 inline __m256 silu8(__m256 v) { return _mm256_mul_ps(v, sigmoid8(v)); }  // a NaN stays NaN through the product
 inline float silu1(float v) { return v / (1.0f + std::exp(-v)); }
 inline float softplus1(float v) { return 0.5f * (v + std::fabs(v)) + std::log1p(std::exp(-std::fabs(v))); }
+
+// A tensor whose last two axes are packed (rows of size(-2)·size(-1) contiguous floats), its
+// leading axes at any stride: a slice of in_proj's output, read in place.
+inline bool packed_rows(const at::Tensor& t) {
+  return t.stride(-1) == 1 && (t.size(-2) == 1 || t.stride(-2) == t.size(-1));
+}
+// exp8 where v may exceed float32's range or be NaN: +inf above it and NaN for NaN, as std::exp
+// (exp8 clamps both to its range; the segment sums of a negative Δ or a NaN input reach it).
+inline __m256 exp8_nan(__m256 v) {
+  const __m256 special = _mm256_or_ps(_mm256_cmp_ps(v, _mm256_set1_ps(88.3762626647949f), _CMP_GT_OQ),
+                                      _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_ps(exp8(v), _mm256_add_ps(v, _mm256_set1_ps(INFINITY)), special);
+}
 
 // v[i] = silu(v[i]), in place.
 inline void silu_pass(float* v, int64_t count) {
@@ -404,6 +425,206 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_diagonal_block(
     }
   });
   return {W, dGh.view({m, r, q, q}).sum(1), ddelta, dacs};
+}
+
+// The chunked scan's forward (portable_ssm.ssd.ssd_chunked_ref without seq_idx) for float32
+// tensors, as NumPy's native loop computes it (portable_ssm.backends.numpy.ops.ssd_chunked): per
+// chunk of q steps and head, with a = A·Δ, acs its float32 cumulative sum from the chunk's start,
+// pre its float64 one and S the state entering the chunk ([n, p] per head),
+//   y_i   = Σ_{j<=i} exp(max(pre_i - pre_j, floor)) (C_i·B_j) Δ_j x_j + exp(acs_i) C_i S + D x_i
+//   S_out = exp(acs_last) S + Σ_j exp(acs_last - acs_j) Δ_j B_jᵀ x_j
+// (exp(v) flushed to 0 below floor outside the diagonal block, as portable_ssm.ssd.decay does).
+// The heads of one group go in blocks of `block` (one per work item, the items split over the
+// threads); a block's state is [n, block·p], so the entering state's read (C S), the state's
+// update (Bᵀ X) and C Bᵀ are one matrix product each for the block, and the diagonal blocks one
+// batched product. Returns (y, final state, the sum of every output and final entry in float64:
+// non-finite wherever one of them is). With `safe` (the call again, for a non-finite input), a
+// non-finite x_j·Δ_j enters the diagonal blocks' product as 0, so 0·inf above the diagonal cannot
+// reach the steps before j, and its column's outputs are nan from step j on (what
+// portable_ssm.ssd.poison adds in the reference): every other product reads only steps up to its
+// row, so the outputs before a non-finite input equal the first call's bit for bit.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> scan_forward(
+    const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
+    const c10::optional<at::Tensor>& D, const c10::optional<at::Tensor>& initial, int64_t chunk, double floor,
+    int64_t block, bool safe) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && packed_rows(x),
+              "scan_forward: x must be a float32 [b, l, h, p] with contiguous [h, p] rows, got ", x.sizes(), " ",
+              x.strides(), " ", x.scalar_type());
+  const int64_t b = x.size(0), l = x.size(1), h = x.size(2), p = x.size(3);
+  TORCH_CHECK(B.dim() == 4 && B.sizes() == C.sizes() && B.size(0) == b && B.size(1) == l && B.size(2) > 0 &&
+                  h % B.size(2) == 0,
+              "scan_forward: B and C must be [b, l, g, n] with g dividing h = ", h, ", got ", B.sizes(), " and ",
+              C.sizes());
+  const int64_t g = B.size(2), n = B.size(3), r = h / g;
+  TORCH_CHECK(B.scalar_type() == at::kFloat && C.scalar_type() == at::kFloat && packed_rows(B) && packed_rows(C),
+              "scan_forward: B and C must be float32 with contiguous [g, n] rows, got strides ", B.strides(), " and ",
+              C.strides());
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && A.scalar_type() == at::kFloat &&
+                  A.is_contiguous(), "scan_forward: dt and A must be contiguous float32");
+  TORCH_CHECK(dt.dim() == 3 && dt.size(0) == b && dt.size(1) == l && dt.size(2) == h && A.dim() == 1 &&
+                  A.size(0) == h, "scan_forward: dt must be [b, l, h] and A [h] for x ", x.sizes(), ", got ",
+              dt.sizes(), " and ", A.sizes());
+  const float* Dp = nullptr;
+  bool d_per_channel = false;
+  if (D.has_value()) {
+    TORCH_CHECK(D->scalar_type() == at::kFloat && D->is_contiguous() &&
+                ((D->dim() == 1 && D->size(0) == h) || (D->dim() == 2 && D->size(0) == h && D->size(1) == p)),
+                "scan_forward: D must be a contiguous float32 [h] or [h, p], got ", D->sizes());
+    Dp = D->data_ptr<float>();
+    d_per_channel = D->dim() == 2;
+  }
+  const float* Ip = nullptr;
+  if (initial.has_value()) {
+    TORCH_CHECK(initial->scalar_type() == at::kFloat && initial->is_contiguous() && initial->dim() == 4 &&
+                initial->size(0) == b && initial->size(1) == h && initial->size(2) == p && initial->size(3) == n,
+                "scan_forward: initial_states must be a contiguous float32 [b, h, p, n], got ", initial->sizes());
+    Ip = initial->data_ptr<float>();
+  }
+  TORCH_CHECK(chunk > 0 && block > 0, "scan_forward: chunk and block must be positive");
+  const int64_t Q = std::min(chunk, std::max<int64_t>(l, 1));
+  at::Tensor y = at::empty({b, l, h, p}, x.options()), final = at::empty({b, h, p, n}, x.options());
+  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
+  const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *fp = final.data_ptr<float>();
+  // x, B and C may be slices of wider rows (the conv's output): steps xl, bl, cl apart, rows xr, br, cr
+  const int64_t xr = x.stride(0), xl = x.stride(1), br = B.stride(0), bl = B.stride(1);
+  const int64_t cr = C.stride(0), cl = C.stride(1);
+  const int64_t blocks = (r + block - 1) / block, items = b * g * blocks;
+  std::vector<double> sums(items, 0.0);
+  const float lowest = static_cast<float>(floor);
+  const auto decay = [lowest](float v) { return v >= lowest ? std::exp(v) : 0.f; };
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / (g * blocks), group = (item / blocks) % g, first = (item % blocks) * block;
+      const int64_t bw = std::min(block, r - first), h0 = group * r + first, wide = bw * p;
+      std::vector<float> S(n * wide, 0.f), G(Q * Q), off(Q * wide), W(bw * Q * Q), diag(bw * Q * p), fed(Q * wide);
+      std::vector<float> from_start(bw * Q), chunk_decay(bw), acs(Q), suffix(Q);
+      std::vector<float> masked(safe ? bw * Q * p : 0);  // safe: x with its non-finite x·Δ as 0, [bw, q, p]
+      std::vector<int64_t> first_bad(safe ? wide : 0);  // safe: each column's first non-finite x·Δ (q: none)
+      std::vector<double> pre(Q);
+      if (Ip != nullptr) {  // [b, h, p, n] -> the block's [n, bw·p]
+        for (int64_t hh = 0; hh < bw; ++hh)
+          for (int64_t c = 0; c < p; ++c)
+            for (int64_t k = 0; k < n; ++k) S[k * wide + hh * p + c] = Ip[((row * h + h0 + hh) * p + c) * n + k];
+      }
+      at::Tensor state = at::from_blob(S.data(), {n, wide}, f32);
+      double total = 0.0;
+      for (int64_t t0 = 0; t0 < l; t0 += Q) {
+        const int64_t q = std::min(Q, l - t0);
+        // the chunk's rows of B and C, [q, n] each (read in place), and of x, [q, h, p]
+        at::Tensor Bc = at::from_blob(const_cast<float*>(Bp + row * br + t0 * bl + group * n), {q, n}, {bl, 1}, f32);
+        at::Tensor Cc = at::from_blob(const_cast<float*>(Cp + row * cr + t0 * cl + group * n), {q, n}, {cl, 1}, f32);
+        const float* xc = xp + row * xr + t0 * xl;
+        at::Tensor Gt = at::from_blob(G.data(), {q, q}, f32), offt = at::from_blob(off.data(), {q, wide}, f32);
+        at::mm_out(Gt, Cc, Bc.t());  // C Bᵀ, [q, q]
+        at::mm_out(offt, Cc, state);  // C S, [q, bw·p]: the entering state read at each step
+        for (int64_t hh = 0; hh < bw; ++hh) {
+          const int64_t head = h0 + hh;
+          const float Ah = Ap[head];
+          const float* d = dtp + (row * l + t0) * h + head;  // Δ_j at d[j·h]
+          float run = 0.f;
+          double prun = 0.0;
+          for (int64_t j = 0; j < q; ++j) {
+            const float a = d[j * h] * Ah;
+            run += a;
+            prun += static_cast<double>(a);
+            acs[j] = run;
+            pre[j] = prun;
+          }
+          suffix[q - 1] = 0.f;
+          for (int64_t j = q - 2; j >= 0; --j) suffix[j] = suffix[j + 1] + d[(j + 1) * h] * Ah;
+          for (int64_t i = 0; i < q; ++i) from_start[hh * Q + i] = decay(acs[i]);
+          chunk_decay[hh] = decay(acs[q - 1]);
+          float* w = W.data() + hh * q * q;
+          for (int64_t i = 0; i < q; ++i) {  // W_ij = exp(max(pre_i - pre_j, floor)) G_ij Δ_j, j <= i
+            float* wi = w + i * q;
+            const float* gi = G.data() + i * q;
+            for (int64_t j = 0; j <= i; ++j) wi[j] = std::max(static_cast<float>(pre[i] - pre[j]), lowest);
+            int64_t j = 0;
+            for (; j + 8 <= i + 1; j += 8) {
+              const __m256 dj = _mm256_set_ps(d[(j + 7) * h], d[(j + 6) * h], d[(j + 5) * h], d[(j + 4) * h],
+                                              d[(j + 3) * h], d[(j + 2) * h], d[(j + 1) * h], d[j * h]);
+              const __m256 L = exp8_nan(_mm256_loadu_ps(wi + j));
+              _mm256_storeu_ps(wi + j, _mm256_mul_ps(_mm256_mul_ps(L, _mm256_loadu_ps(gi + j)), dj));
+            }
+            for (; j <= i; ++j) wi[j] = std::exp(wi[j]) * gi[j] * d[j * h];
+            std::fill(wi + i + 1, wi + q, 0.f);
+            if (Dp != nullptr && !d_per_channel) wi[i] += Dp[head];  // y_i += D x_i through the diagonal
+          }
+          for (int64_t j = 0; j < q; ++j) {  // x_j exp(acs_last - acs_j) Δ_j: what x_j feeds the leaving state
+            const float weight = decay(suffix[j]) * d[j * h];
+            const float* xj = xc + j * xl + head * p;
+            float* fj = fed.data() + j * wide + hh * p;
+            for (int64_t c = 0; c < p; ++c) fj[c] = xj[c] * weight;
+          }
+          if (safe) {
+            std::fill(first_bad.begin() + hh * p, first_bad.begin() + (hh + 1) * p, q);
+            for (int64_t j = q - 1; j >= 0; --j) {
+              const float* xj = xc + j * xl + head * p;
+              float* mj = masked.data() + (hh * q + j) * p;
+              for (int64_t c = 0; c < p; ++c) {
+                const bool finite = std::isfinite(xj[c] * d[j * h]);
+                mj[c] = finite ? xj[c] : 0.f;
+                if (!finite) first_bad[hh * p + c] = j;
+              }
+            }
+          }
+        }
+        at::Tensor Wt = at::from_blob(W.data(), {bw, q, q}, f32), diagt = at::from_blob(diag.data(), {bw, q, p}, f32);
+        at::Tensor xb = safe ? at::from_blob(masked.data(), {bw, q, p}, f32)
+                             : at::from_blob(const_cast<float*>(xc + h0 * p), {bw, q, p}, {p, xl, 1}, f32);
+        at::bmm_out(diagt, Wt, xb);  // the diagonal blocks, [bw, q, p]
+        for (int64_t i = 0; i < q; ++i) {
+          for (int64_t hh = 0; hh < bw; ++hh) {
+            const int64_t head = h0 + hh;
+            const float* xi = xc + i * xl + head * p;
+            const float* dg = diag.data() + (hh * q + i) * p;
+            const float* of = off.data() + i * wide + hh * p;
+            const float fs = from_start[hh * Q + i];
+            float* out = yp + ((row * l + t0 + i) * h + head) * p;
+            __m256 acc = _mm256_setzero_ps();
+            int64_t c = 0;
+            for (; c + 8 <= p; c += 8) {
+              __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(fs), _mm256_loadu_ps(of + c), _mm256_loadu_ps(dg + c));
+              if (d_per_channel) v = _mm256_fmadd_ps(_mm256_loadu_ps(Dp + head * p + c), _mm256_loadu_ps(xi + c), v);
+              _mm256_storeu_ps(out + c, v);
+              acc = _mm256_add_ps(acc, v);
+            }
+            float s = horizontal_sum(acc);
+            for (; c < p; ++c) {
+              out[c] = dg[c] + fs * of[c] + (d_per_channel ? Dp[head * p + c] * xi[c] : 0.f);
+              s += out[c];
+            }
+            if (safe) {
+              for (c = 0; c < p; ++c) {
+                if (i >= first_bad[hh * p + c]) out[c] = NAN;
+              }
+            }
+            total += s;
+          }
+        }
+        for (int64_t k = 0; k < n; ++k)  // the state decayed over the chunk, then what the chunk feeds it
+          for (int64_t hh = 0; hh < bw; ++hh) {
+            float* sk = S.data() + k * wide + hh * p;
+            const float cd = chunk_decay[hh];
+            for (int64_t c = 0; c < p; ++c) sk[c] *= cd;
+          }
+        state.addmm_(Bc.t(), at::from_blob(fed.data(), {q, wide}, f32));
+      }
+      for (int64_t hh = 0; hh < bw; ++hh)  // the block's [n, bw·p] -> [b, h, p, n]
+        for (int64_t c = 0; c < p; ++c)
+          for (int64_t k = 0; k < n; ++k) {
+            const float v = S[k * wide + hh * p + c];
+            fp[((row * h + h0 + hh) * p + c) * n + k] = v;
+            total += v;
+          }
+      sums[item] = total;
+    }
+  });
+  double check = 0.0;
+  for (double s : sums) check += s;
+  return {y, final, at::scalar_tensor(check, at::TensorOptions().dtype(at::kDouble))};
 }
 
 // The causal depthwise conv and SiLU of a training forward, and its backward, V's lanes of channels
@@ -812,6 +1033,8 @@ TORCH_LIBRARY(portable_ssm_cpu, m) {
         "Tensor[] Ds, Tensor[] gate_norms, Tensor[] out_weights, Tensor?[] out_scales, Tensor norm_f, Tensor head, "
         "Tensor? head_scale, float eps, float low, float high, int ngroups, int headdim) "
         "-> (Tensor, Tensor[], Tensor[])");
+  m.def("scan_forward(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? initial_states, "
+        "int chunk, float floor, int block, bool safe) -> (Tensor, Tensor, Tensor)");
   m.def("scan_diagonal_block(Tensor prefix, Tensor G, Tensor dW, Tensor delta, float floor) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("conv_silu(Tensor x, Tensor taps, Tensor? bias, Tensor history) -> Tensor");
@@ -825,6 +1048,7 @@ TORCH_LIBRARY_IMPL(portable_ssm_cpu, CPU, m) {
   m.impl("row_gemv", &row_gemv);
   m.impl("decode_step", &decode_step);
   m.impl("decode_model", &decode_model);
+  m.impl("scan_forward", &scan_forward);
   m.impl("scan_diagonal_block", &scan_diagonal_block);
   m.impl("conv_silu", &conv_silu);
   m.impl("conv_silu_backward", &conv_silu_backward);
@@ -872,6 +1096,7 @@ def _build() -> bool:
     torch.library.register_fake("portable_ssm_cpu::row_gemv")(_row_gemv_shape)
     torch.library.register_fake("portable_ssm_cpu::decode_step")(_decode_step_shapes)
     torch.library.register_fake("portable_ssm_cpu::decode_model")(_decode_model_shapes)
+    torch.library.register_fake("portable_ssm_cpu::scan_forward")(_scan_forward_shapes)
     torch.library.register_fake("portable_ssm_cpu::scan_diagonal_block")(_scan_diagonal_block_shapes)
     torch.library.register_fake("portable_ssm_cpu::conv_silu")(lambda x, *rest: x.new_empty(x.shape))
     torch.library.register_fake("portable_ssm_cpu::conv_silu_backward")(_conv_silu_backward_shapes)
@@ -894,6 +1119,12 @@ def _decode_model_shapes(x: torch.Tensor, conv_states: list[torch.Tensor], ssm_s
     head = rest[ModelWeights._fields.index("head")]  # rest: the weights' fields, then the scalars
     return (x.new_empty((1, head.shape[0])), [c.new_empty(c.shape) for c in conv_states],
             [h.new_empty(h.shape) for h in ssm_states])
+
+
+def _scan_forward_shapes(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                         *rest: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, _, h, p = x.shape
+    return (x.new_empty(x.shape), x.new_empty((b, h, p, B.shape[-1])), x.new_empty((), dtype=torch.float64))
 
 
 def _scan_diagonal_block_shapes(prefix: torch.Tensor, G: torch.Tensor, dW: torch.Tensor, delta: torch.Tensor,
@@ -953,6 +1184,41 @@ def decode_step(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state
         xBC.contiguous(), dt.contiguous(), z.contiguous(), conv_state.contiguous(), ssm_state.contiguous(),
         conv_weight.contiguous(), None if conv_bias is None else conv_bias.contiguous(), dt_bias.contiguous(),
         A.contiguous(), D.contiguous(), float(low), float(high), ngroups, headdim)
+
+
+#: Heads of one group a work item of :func:`scan_forward` takes at most: its state ``[n, block·p]``
+#: and its diagonal blocks stay in L2 (as NumPy's ``SCAN_HEAD_BLOCK``).
+SCAN_HEAD_BLOCK = 12
+
+
+def _packed_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [b, l, m, k]`` as :func:`scan_forward` reads it: itself where each step's ``[m, k]`` is
+    contiguous (a slice of the conv's output, read in place), else a contiguous copy."""
+    return t if t.stride(-1) == 1 and (t.shape[-2] == 1 or t.stride(-2) == t.shape[-1]) else t.contiguous()
+
+
+def scan_forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                 D: torch.Tensor | None, initial_states: torch.Tensor | None,
+                 chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked scan ``(y [b, l, h, p], final state [b, h, p, n])`` of float32 CPU tensors shaped
+    as ``portable_ssm.ssd.ssd_chunked_ref``'s (Δ already discretized, no ``seq_idx``; D ``[h]``,
+    ``[h, p]`` or None), in chunks of ``chunk_size``: NumPy's native loop
+    (``portable_ssm.backends.numpy.ops.ssd_chunked``) in one C++ pass per block of at most
+    SCAN_HEAD_BLOCK heads, the blocks split over torch's threads, each chunk's products one matrix
+    product each for the block. A non-finite output (a non-finite input) runs the kernel again with
+    masked products, which keep it from the outputs before its step (as NumPy's loop and the
+    reference do): those equal a clean input's bit for bit."""
+    b, _, h, _ = x.shape
+    g = B.shape[2]
+    per_group = -(-torch.get_num_threads() // (b * g))  # blocks per group that give every thread one
+    block = max(1, min(SCAN_HEAD_BLOCK, -(-(h // g) // per_group)))
+    args = (_packed_rows(x), dt.contiguous(), A.contiguous(), _packed_rows(B), _packed_rows(C),
+            None if D is None else D.contiguous(), None if initial_states is None else initial_states.contiguous(),
+            chunk_size, ssd.decay_floor(torch.float32, xp=torch), block)
+    y, final, check = torch.ops.portable_ssm_cpu.scan_forward(*args, False)
+    if not math.isfinite(float(check)):  # a non-finite input: again, keeping it from the steps before it
+        y, final, _ = torch.ops.portable_ssm_cpu.scan_forward(*args, True)
+    return y, final
 
 
 def scan_diagonal_block(prefix: torch.Tensor, G: torch.Tensor, dW: torch.Tensor, delta: torch.Tensor,

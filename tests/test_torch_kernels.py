@@ -3,7 +3,8 @@ int8 or bfloat16 weight equals the reference product, the fused decode step equa
 ``decode_step_ref``, the whole-model batch-1 step equals the array-API stack, the training conv
 equals autograd of the array-API conv, the norm autograd of the float64 reference and the
 training scan's diagonal block its torch ops, the conv and norm ops differentiated twice give
-torch's second derivatives, eager and compiled decode call them (compiled graphs without a
+torch's second derivatives, the chunked scan's kernel the float64 reference (a non-finite input
+kept from the steps before it, bit for bit), eager and compiled decode call them (compiled graphs without a
 break), autograd and other shapes and dtypes keep torch's kernels and the array-API step, and a
 failed build or ``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on them with one warning."""
 
@@ -234,6 +235,147 @@ def test_scan_diagonal_block_kernel_refuses_other_dtypes_and_shapes(kernel):
         kernel.scan_diagonal_block(prefix, G[:, 1:], dW, delta, -40.0)
     with pytest.raises(RuntimeError, match="dW must be a contiguous float32"):
         kernel.scan_diagonal_block(prefix, G, dW.double(), delta, -40.0)
+
+
+def _scan_args(seed: int, *, b: int, l: int, h: int, p: int, g: int, n: int, D: str, initial: bool,
+               sliced: bool = False) -> tuple[torch.Tensor | None, ...]:
+    """Float32 scan inputs ``(x, Δ, A, B, C, D, initial_states)`` (Δ positive, A negative); ``sliced``:
+    x, B and C are slices of one ``[b, l, h·p + 2·g·n + 3]`` array, as the mixer hands them over."""
+    rng = np.random.default_rng(seed)
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+
+    if sliced:
+        rows = t(b, l, h * p + 2 * g * n + 3)
+        x = rows[..., :h * p].view(b, l, h, p)
+        B, C = (rows[..., h * p + i * g * n:h * p + (i + 1) * g * n].view(b, l, g, n) for i in (0, 1))
+    else:
+        x, B, C = t(b, l, h, p), t(b, l, g, n), t(b, l, g, n)
+    dt = torch.from_numpy(rng.uniform(0.01, 1.5, (b, l, h)).astype(np.float32))
+    A = torch.from_numpy(-np.exp(rng.uniform(-1.0, 1.5, h)).astype(np.float32))
+    skip = {"none": None, "per head": t(h), "per channel": t(h, p)}[D]
+    return x, dt, A, B, C, skip, t(b, h, p, n) if initial else None
+
+
+def _reference_scan_float64(x, dt, A, B, C, D, initial, chunk_size):
+    return ps.ssd.ssd_chunked_ref(*(v.double() for v in (x, dt, A, B, C)), chunk_size=chunk_size,
+                                  initial_states=None if initial is None else initial.double(), xp=backend.xp,
+                                  D=None if D is None else D.double())
+
+
+@requires_kernel
+@pytest.mark.parametrize(("b", "l", "h", "p", "g", "n", "Q", "D", "initial", "sliced"), [
+    (1, 2048, 24, 64, 1, 128, 64, "per head", False, True),  # a 130m layer at l=2048, x, B, C read in place
+    (2, 300, 6, 16, 2, 8, 64, "per channel", True, False),  # batch, groups, a shorter last chunk
+    (1, 50, 4, 13, 1, 5, 64, "none", False, True),  # one chunk shorter than Q; p below and past one vector
+    (3, 257, 8, 24, 4, 16, 32, "per head", True, True),  # Q=32, 9 chunks, the last of one step
+    (1, 1, 2, 8, 1, 4, 64, "per channel", True, False),  # one step
+])
+def test_scan_kernel_equals_the_float64_reference(kernel, b, l, h, p, g, n, Q, D, initial, sliced):
+    args = _scan_args(7, b=b, l=l, h=h, p=p, g=g, n=n, D=D, initial=initial, sliced=sliced)
+    y, final = kernel.scan_forward(*args, Q)
+    want_y, want_final = _reference_scan_float64(*args, Q)
+    assert y.dtype == final.dtype == torch.float32 and y.shape == (b, l, h, p) and final.shape == (b, h, p, n)
+    assert rel_err(y.numpy(), want_y.numpy()) < 2e-6 and rel_err(final.numpy(), want_final.numpy()) < 2e-6
+
+
+@requires_kernel
+def test_scan_kernel_gives_the_same_scan_for_every_block_of_heads(kernel, monkeypatch):
+    """The heads go in blocks (one per work item, the items over the threads): any block size, one
+    head up to a whole group, gives the scan (to rounding: the products take other widths)."""
+    args = _scan_args(2, b=2, l=200, h=12, p=16, g=2, n=8, D="per head", initial=True)
+    want_y, want_final = _reference_scan_float64(*args, 64)
+    for block in (1, 2, 5, 6):
+        monkeypatch.setattr(torch_kernels, "SCAN_HEAD_BLOCK", block)
+        y, final = kernel.scan_forward(*args, 64)
+        assert rel_err(y.numpy(), want_y.numpy()) < 2e-6 and rel_err(final.numpy(), want_final.numpy()) < 2e-6
+
+
+def _count_scan_kernel(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = torch_kernels.scan_forward
+
+    def counted(*args):
+        calls.append(args[0].shape[1])
+        return real(*args)
+
+    monkeypatch.setattr(torch_kernels, "scan_forward", counted)
+    return calls
+
+
+@requires_kernel
+def test_inference_and_training_scans_run_the_scan_kernel(kernel, monkeypatch):
+    """A float32 scan without autograd (a forward, a prompt) and the forward of the training
+    scan's op both run the kernel, and give the reference's outputs."""
+    calls = _count_scan_kernel(monkeypatch)
+    monkeypatch.setattr(backend, "SCAN_OP_MIN_TOKENS", 1)  # the op for the short rows of this test
+    x, dt, A, B, C, D, initial = _scan_args(4, b=2, l=100, h=4, p=8, g=1, n=6, D="per head", initial=True)
+    want_y, want_final = _reference_scan_float64(x, dt, A, B, C, D, initial, 64)
+    with torch.no_grad():
+        y, final = backend.ssd_chunked(x, dt, A, B, C, None, initial, D=D)
+    assert calls == [100]
+    assert rel_err(y.numpy(), want_y.numpy()) < 2e-6 and rel_err(final.numpy(), want_final.numpy()) < 2e-6
+    y, final = backend.ssd_chunked(x.requires_grad_(), dt, A, B, C, None, initial, D=D)
+    assert calls == [100, 100] and y.grad_fn is not None
+    assert rel_err(y.detach().numpy(), want_y.numpy()) < 2e-6
+
+
+@requires_kernel
+@pytest.mark.parametrize("name", ["x", "dt", "B"])
+def test_scan_kernel_keeps_a_non_finite_input_from_the_steps_before_it(kernel, monkeypatch, name):
+    """A nan at step t (inside a chunk, so 0·nan above the diagonal would reach the steps before it)
+    makes the kernel run again with masked products: the outputs before t equal the clean input's
+    bit for bit, the ones from t on are not all finite."""
+    calls = _count_scan_kernel(monkeypatch)
+    safe: list[bool] = []
+    op = torch.ops.portable_ssm_cpu.scan_forward
+    monkeypatch.setattr(torch.ops.portable_ssm_cpu, "scan_forward", lambda *a: safe.append(a[-1]) or op(*a),
+                        raising=False)
+    args = _scan_args(5, b=2, l=150, h=4, p=8, g=2, n=6, D="per channel", initial=True)
+    with torch.no_grad():
+        clean, clean_final = backend.ssd_chunked(*args[:5], None, args[6], D=args[5])
+        bad = [a.clone() if a is not None else None for a in args]
+        t = 100
+        bad[{"x": 0, "dt": 1, "B": 3}[name]][1, t] = torch.nan
+        y, final = backend.ssd_chunked(*bad[:5], None, bad[6], D=bad[5])
+    assert len(calls) == 2 and safe == [False, False, True]
+    assert torch.equal(y[:, :t], clean[:, :t]) and torch.equal(y[0], clean[0]) and torch.equal(final[0], clean_final[0])
+    assert not bool(torch.isfinite(y[1, t]).all())
+
+
+@requires_kernel
+@pytest.mark.parametrize("change", ["float64", "kernels off", "packed rows"])
+def test_scan_kernel_leaves_float64_packed_rows_and_a_disabled_build_to_numpy(kernel, monkeypatch, change):
+    monkeypatch.setattr(torch_kernels, "scan_forward", lambda *a: pytest.fail("the kernel took the scan"))
+    if change == "kernels off":
+        monkeypatch.setenv(torch_kernels.ENV, "0")
+    x, dt, A, B, C, D, initial = _scan_args(6, b=1, l=90, h=4, p=8, g=1, n=6, D="per head", initial=True)
+    if change == "float64":
+        x, dt, A, B, C, D, initial = (v.double() for v in (x, dt, A, B, C, D, initial))
+    seq_idx = torch.zeros(1, 90, dtype=torch.int32) if change == "packed rows" else None
+    with torch.no_grad():
+        y, final = backend.ssd_chunked(x, dt, A, B, C, None, initial, seq_idx=seq_idx, D=D)
+    want_y, want_final = _reference_scan_float64(x, dt, A, B, C, D, initial, 64)
+    assert rel_err(y.numpy(), want_y.numpy()) < 2e-6 and rel_err(final.numpy(), want_final.numpy()) < 2e-6
+
+
+@requires_kernel
+def test_scan_kernel_refuses_shapes_it_does_not_take(kernel):
+    x, dt, A, B, C, D, initial = _scan_args(0, b=1, l=10, h=4, p=8, g=2, n=6, D="per head", initial=True)
+    op = torch.ops.portable_ssm_cpu.scan_forward
+    with pytest.raises(RuntimeError, match="scan_forward: x must be a float32"):
+        op(x.double(), dt, A, B, C, D, initial, 64, -40.0, 2, False)
+    with pytest.raises(RuntimeError, match="x must be a float32 .* with contiguous"):
+        op(x.transpose(2, 3).contiguous().transpose(2, 3), dt, A, B, C, D, initial, 64, -40.0, 2, False)
+    with pytest.raises(RuntimeError, match="B and C must be .b, l, g, n. with g dividing h"):
+        op(x, dt, A, B[:, :, :1].expand(1, 10, 3, 6), C, D, initial, 64, -40.0, 2, False)
+    with pytest.raises(RuntimeError, match="D must be a contiguous float32 .h. or .h, p."):
+        op(x, dt, A, B, C, D[:3], initial, 64, -40.0, 2, False)
+    with pytest.raises(RuntimeError, match="initial_states must be a contiguous float32 .b, h, p, n."):
+        op(x, dt, A, B, C, D, initial[..., :5], 64, -40.0, 2, False)
+    with pytest.raises(RuntimeError, match="chunk and block must be positive"):
+        op(x, dt, A, B, C, D, initial, 0, -40.0, 2, False)
 
 
 def _conv_leaves(seed: int, *, b: int, l: int, d: int, k: int, bias: bool, state: bool,
