@@ -296,9 +296,8 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     NumPy's native chunk loop (``portable_ssm.backends.numpy.ops.ssd_chunked``, its intermediates
     in cache, on NumPy's thread pool) on zero-copy views (packed rows, float64, kernels not built).
     Where autograd records, the ``portable_ssm::ssd_scan`` op (:func:`ssd_scan`, eager and
-    compiled) for the long rows of CPU tensors it takes (:func:`_scan_op_takes`); the core
-    reference otherwise (shorter or packed rows, other dtypes, GPUs, compiled inference). Shapes as
-    the reference."""
+    compiled) for the CPU tensors it takes (:func:`_scan_op_takes`); the core reference otherwise
+    (packed rows, other dtypes, GPUs, compiled inference). Shapes as the reference."""
     Q = ssd.chunk_length(x.shape[1], chunk_size)
     if _records_grad(x, dt, A, B, C, initial_states, D):
         if _scan_op_takes(x, dt, A, B, C, initial_states, seq_idx, D):
@@ -361,13 +360,6 @@ torch.library.register_fake("portable_ssm::packed_linear", _packed_linear_shape,
 packed_linear = torch.ops.portable_ssm.packed_linear
 
 
-#: Tokens (batch x length) from which a recorded CPU scan runs :func:`ssd_scan` rather than autograd
-#: of the reference, whose ``[b, h, c, Q, Q]`` intermediates then outgrow the caches. A 130m layer's
-#: training step with the op, against the reference, interleaved at b=1 on 2 threads: l=512 and 1024
-#: 7-13% slower; l=2048 within 5%; l=8192 8-16% faster; peak memory about 40% lower at every length.
-SCAN_OP_MIN_TOKENS = 2048
-
-
 #: The chunk length of the training scan's backward (at least the forward's; like the forward's, the
 #: result does not depend on it beyond rounding): with the diagonal blocks in one kernel pass each,
 #: fewer chunks cost less than the smaller blocks save (a 130m layer's backward at l=2048 on 2
@@ -377,13 +369,14 @@ BACKWARD_CHUNK = 128
 
 def _scan_op_takes(*tensors: torch.Tensor | None) -> bool:
     """Whether :func:`ssd_scan` takes the scan of these arguments (x, Δ, A, B, C, initial_states,
-    seq_idx, D): at least SCAN_OP_MIN_TOKENS tokens, no seq_idx, every tensor on the CPU in one
-    dtype, float32 or float64, and plain (NumPy can view its data) or traced by ``torch.compile``."""
+    seq_idx, D): no seq_idx, every tensor on the CPU in one dtype, float32 or float64, and plain
+    (NumPy can view its data) or traced by ``torch.compile``. Rows of any length: with the scan
+    kernel's forward a training step through the op took less time than autograd of the reference
+    (whose ``[b, h, c, Q, Q]`` intermediates it keeps) at every shape measured, from 16 tokens of a
+    130m layer to 2048 (``benchmarks/train_kernels_ab.py --only-scan-op``), and less memory."""
     x, seq_idx = tensors[0], tensors[6]
     present = [t for t in tensors if t is not None]
     if seq_idx is not None or x.dtype not in (torch.float32, torch.float64):
-        return False
-    if x.shape[0] * x.shape[1] < SCAN_OP_MIN_TOKENS:
         return False
     if any(t.dtype != x.dtype or t.device.type != "cpu" for t in present):
         return False
@@ -524,7 +517,7 @@ conv1d_silu_backward = torch.ops.portable_ssm.conv1d_silu_backward
 
 #: The ``portable_ssm::ssd_scan`` op, ``(x, Δ, A, B, C, D, initial_states, chunk_size) -> (y, final
 #: state)`` (shapes as ``portable_ssm.ssd.ssd_chunked_ref``, the chunk length resolved): the CPU
-#: training scan of long rows (SCAN_OP_MIN_TOKENS), in eager and compiled graphs alike. Forward:
+#: training scan (no ``seq_idx``), in eager and compiled graphs alike. Forward:
 #: the scan kernel (:func:`_kernel_scan`; NumPy's native chunk loop in float64); backward
 #: (``portable_ssm::ssd_scan_backward``): the hand-written one of
 #: ``portable_ssm.backends.torch_scan``, a reverse loop over the chunks, where autograd of the

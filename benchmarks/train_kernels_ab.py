@@ -3,13 +3,16 @@ mamba2-130m-shaped layer on the torch backend with its CPU kernels (:mod:`portab
 torch_kernels`: the conv, the gated norm and the scan backward's diagonal blocks) and without them
 (``PORTABLE_SSM_CPU_KERNELS=0`` between turns), as ``benchmarks/run.py``'s training rows call it;
 ``--only-norm``: without the norm kernel alone (torch's ops take the norms, the other kernels
-stay); ``--forward``: the inference forward instead of the training step.
+stay); ``--only-scan-op``: without the ``portable_ssm::ssd_scan`` op alone (autograd of the reference
+scan takes the scan); ``--forward``: the inference forward instead of the training step;
+``--config seed --batch 8 --length 60``: the benchmark's seed shape instead of the 130m layer.
 
 Rounds alternate the two (2 steps each in turn), so both share the machine's load; it prints
 medians and their ratio. Tooling, not a test: nothing is asserted.
 
     python benchmarks/train_kernels_ab.py --threads 2 --length 2048 --rounds 10
     python benchmarks/train_kernels_ab.py --threads 2 --length 2048 --rounds 10 --only-norm
+    python benchmarks/train_kernels_ab.py --threads 2 --length 512 --rounds 10 --only-scan-op
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
     parser.add_argument("--length", type=int, default=2048, help="sequence length (batch 1)")
     parser.add_argument("--rounds", type=int, default=10, help="rounds of 2 steps of each")
-    parser.add_argument("--only-norm", action="store_true", help="turn off the gated norm's kernel alone")
+    parser.add_argument("--batch", type=int, default=1, help="rows")
+    parser.add_argument("--config", choices=("130m-layer", "seed"), default="130m-layer",
+                        help="the model: a mamba2-130m layer or the benchmark's seed shape (d_model 256, 2 layers)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--only-norm", action="store_true", help="turn off the gated norm's kernel alone")
+    which.add_argument("--only-scan-op", action="store_true",
+                       help="turn off the scan op alone (autograd of the reference scan)")
     parser.add_argument("--forward", action="store_true", help="time the inference forward, not a training step")
     args = parser.parse_args()
 
@@ -39,27 +48,30 @@ def main() -> None:
 
     import portable_ssm as ps
     from portable_ssm.bench.calls import forward_fn
-    from portable_ssm.bench.runner import LAYER_130M
+    from portable_ssm.bench.runner import LAYER_130M, SEED
     from portable_ssm.host import retain_unless_disabled
 
     retain_unless_disabled()
     torch.set_num_threads(args.threads)
     if not torch_kernels.ensure():
         raise SystemExit("the CPU kernels are not built here (see the warning): nothing to compare")
-    params = ps.init_params(LAYER_130M, seed=0, backend="numpy", dtype="float32")
-    x = np.random.default_rng(0).standard_normal((1, args.length, LAYER_130M.d_model)).astype(np.float32)
-    step = forward_fn("torch", LAYER_130M, params, x, train=not args.forward)
+    config = SEED if args.config == "seed" else LAYER_130M
+    params = ps.init_params(config, seed=0, backend="numpy", dtype="float32")
+    x = np.random.default_rng(0).standard_normal((args.batch, args.length, config.d_model)).astype(np.float32)
+    step = forward_fn("torch", config, params, x, train=not args.forward)
 
     @contextlib.contextmanager
     def without_kernels() -> Iterator[None]:
-        """All the kernels off (the environment variable), or with --only-norm the norm's alone."""
-        if args.only_norm:
-            taken = backend._takes_norm_kernel
-            backend._takes_norm_kernel = lambda *tensors: False
+        """All the kernels off (the environment variable), or with --only-norm (--only-scan-op) the
+        norm's kernel (the scan op) alone."""
+        if args.only_norm or args.only_scan_op:
+            name = "_takes_norm_kernel" if args.only_norm else "_scan_op_takes"
+            taken = getattr(backend, name)
+            setattr(backend, name, lambda *tensors: False)
             try:
                 yield
             finally:
-                backend._takes_norm_kernel = taken
+                setattr(backend, name, taken)
             return
         before = os.environ.get(torch_kernels.ENV)
         os.environ[torch_kernels.ENV] = "0"
@@ -71,8 +83,9 @@ def main() -> None:
             else:
                 os.environ[torch_kernels.ENV] = before
 
-    other = "without the norm's" if args.only_norm else "torch ops"
-    paths = {"kernels": contextlib.nullcontext, other: without_kernels}
+    other = "without the norm's" if args.only_norm else "without the scan op" if args.only_scan_op else "torch ops"
+    first = "with the scan op" if args.only_scan_op else "kernels"
+    paths = {first: contextlib.nullcontext, other: without_kernels}
     times: dict[str, list[float]] = {path: [] for path in paths}
     for _ in range(args.rounds + 1):  # the first round warms up
         for path, context in paths.items():
@@ -82,8 +95,9 @@ def main() -> None:
                     step()
                     times[path].append(time.perf_counter() - start)
     fast, slow = (1e3 * statistics.median(times[path][2:]) for path in paths)
-    print(f"torch {torch.__version__}, {args.threads} threads, l={args.length}, {args.rounds} rounds of 2 steps each")
-    print(f"{'forward' if args.forward else 'training step'}: kernels {fast:.1f} ms  {other} {slow:.1f} ms  "
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.config} b={args.batch} l={args.length}, "
+          f"{args.rounds} rounds of 2 steps each")
+    print(f"{'forward' if args.forward else 'training step'}: {first} {fast:.1f} ms  {other} {slow:.1f} ms  "
           f"ratio {slow / fast:.2f}x")
 
 

@@ -51,8 +51,8 @@ def test_scans_pass_float64_gradcheck_in_every_argument(scan, l, chunk_size):
 def test_small_model_passes_float64_gradcheck_in_input_and_every_parameter(monkeypatch, scan_op):
     from portable_ssm.backends import torch as torch_backend
 
-    if scan_op:  # the portable_ssm::ssd_scan op on rows of 3 chunks
-        monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)
+    if not scan_op:  # autograd of the reference scan instead of the portable_ssm::ssd_scan op
+        monkeypatch.setattr(torch_backend, "_scan_op_takes", lambda *tensors: False)
     chunk = dict(chunk_size=3) if scan_op else {}
     config = ps.Mamba2Config(d_model=4, n_layer=2, d_state=2, headdim=2, ngroups=2, **chunk)
     module = Mamba2Module(config, dtype=torch.float64, seed=3)
@@ -160,11 +160,10 @@ def test_gradients_flow_through_a_carried_state_and_detach_state_cuts_them():
 
 @pytest.fixture
 def scan_op_on_short_rows(monkeypatch):
-    """The torch backend's ``portable_ssm::ssd_scan`` op for rows of any length (the tests' are short),
-    its backward in the forward's chunks (the tests' rows are shorter than one BACKWARD_CHUNK)."""
+    """The torch backend's ``portable_ssm::ssd_scan`` op with its backward in the forward's chunks
+    (the tests' rows are shorter than one BACKWARD_CHUNK)."""
     from portable_ssm.backends import torch as torch_backend
 
-    monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)
     monkeypatch.setattr(torch_backend, "BACKWARD_CHUNK", 1)
 
 
@@ -281,15 +280,14 @@ def test_scan_op_gives_the_references_gradients_for_a_non_finite_input(scan_op_o
                                    err_msg=name)
 
 
-@pytest.mark.parametrize("change", ["short rows", "seq_idx", "bfloat16", "mixed dtypes"])
-def test_scan_op_leaves_short_and_packed_rows_and_other_dtypes_to_the_reference(monkeypatch, change):
+@pytest.mark.parametrize("change", ["seq_idx", "bfloat16", "mixed dtypes"])
+def test_scan_op_leaves_packed_rows_and_other_dtypes_to_the_reference(monkeypatch, change):
     from portable_ssm.backends import torch as torch_backend
     from portable_ssm.backends import torch_scan
 
     monkeypatch.setattr(torch_scan, "ssd_chunked_grad", lambda *a: pytest.fail("the op took the scan"))
     args = _scan_case(torch.float32, initial=False)
     b, l = args["x"].shape[:2]
-    monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", b * l + (change == "short rows"))
     seq_idx = torch.zeros((b, l), dtype=torch.int32) if change == "seq_idx" else None
     if change == "bfloat16":
         args = {k: None if v is None else v.detach().to(torch.bfloat16).requires_grad_() for k, v in args.items()}
@@ -301,12 +299,13 @@ def test_scan_op_leaves_short_and_packed_rows_and_other_dtypes_to_the_reference(
     assert all(v.grad is not None for v in args.values() if v is not None)
 
 
-def test_scan_op_takes_rows_of_the_threshold_length():
+@pytest.mark.parametrize("l", [1, 5, 3000])
+def test_scan_op_takes_cpu_rows_of_any_length(l):
     from portable_ssm.backends import torch as torch_backend
 
-    x = torch.zeros((2, torch_backend.SCAN_OP_MIN_TOKENS // 2, 4, 3), requires_grad=True)
-    rest = (torch.zeros(x.shape[:3]), torch.zeros(4), torch.zeros((*x.shape[:2], 1, 5)),
-            torch.zeros((*x.shape[:2], 1, 5)), None, None, torch.zeros(4))
+    x = torch.zeros((2, l, 4, 3), requires_grad=True)
+    rest = (torch.zeros(x.shape[:3]), torch.zeros(4), torch.zeros((2, l, 1, 5)), torch.zeros((2, l, 1, 5)), None,
+            None, torch.zeros(4))
     assert torch_backend._scan_op_takes(x, *rest)
-    assert not torch_backend._scan_op_takes(x[:, 1:], *(t if t is None or t.ndim < 3 else t[:, 1:] for t in rest))
+    assert not torch_backend._scan_op_takes(x, *rest[:5], torch.zeros((2, l), dtype=torch.int32), rest[6])
 

@@ -340,7 +340,6 @@ def test_torch_cpu_inference_scan_is_the_scan_kernel_in_float32_and_numpys_nativ
     torch = pytest.importorskip("torch")
     import array_api_compat.torch as txp
     from portable_ssm.backends import fast_op, torch_kernels
-    from portable_ssm.backends import torch as torch_backend
     from portable_ssm.backends.numpy import ops as numpy_ops
 
     from portable_ssm.ssd import ssd_chunked_ref
@@ -366,7 +365,6 @@ def test_torch_cpu_inference_scan_is_the_scan_kernel_in_float32_and_numpys_nativ
     assert rel_err(final.numpy(), final_ref.numpy()) < (1e-5 if dtype == "float32" else 1e-12)
 
     args["x"].requires_grad_()
-    monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)  # these rows are short
     y_grad, _ = native(*(args[k] for k in order), Q, args["initial_states"], D=args["D"])
     assert len(calls) == 2 * per_scan and y_grad.requires_grad  # the op, recorded by autograd
     np.testing.assert_array_equal(y_grad.detach().numpy(), y.numpy())

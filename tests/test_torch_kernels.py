@@ -309,7 +309,6 @@ def test_inference_and_training_scans_run_the_scan_kernel(kernel, monkeypatch):
     """A float32 scan without autograd (a forward, a prompt) and the forward of the training
     scan's op both run the kernel, and give the reference's outputs."""
     calls = _count_scan_kernel(monkeypatch)
-    monkeypatch.setattr(backend, "SCAN_OP_MIN_TOKENS", 1)  # the op for the short rows of this test
     x, dt, A, B, C, D, initial = _scan_args(4, b=2, l=100, h=4, p=8, g=1, n=6, D="per head", initial=True)
     want_y, want_final = _reference_scan_float64(x, dt, A, B, C, D, initial, 64)
     with torch.no_grad():

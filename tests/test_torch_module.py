@@ -176,8 +176,10 @@ def test_compiled_training_keeps_the_scan_op_in_one_graph_with_the_references_gr
 
     torch._dynamo.reset()
     reference = Mamba2Module(CONFIG, seed=6)
-    _probe(reference(_x(2, 20, 16))).backward()  # 20 tokens a row: the reference (SCAN_OP_MIN_TOKENS)
-    monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)
+    with monkeypatch.context() as patch:  # autograd of the reference scan, which the op replaces
+        patch.setattr(torch_backend, "_scan_op_takes", lambda *tensors: False)
+        want = reference(_x(2, 20, 16))
+        _probe(want).backward()
     calls = []
     monkeypatch.setattr(torch_scan, "ssd_chunked_grad",
                         lambda *a, _real=torch_scan.ssd_chunked_grad: calls.append(1) or _real(*a))
@@ -186,7 +188,7 @@ def test_compiled_training_keeps_the_scan_op_in_one_graph_with_the_references_gr
     y = compiled(_x(2, 20, 16))
     _probe(y).backward()
     assert len(calls) == CONFIG.n_layer  # each layer's backward ran the op's
-    torch.testing.assert_close(y, reference(_x(2, 20, 16)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
     for (name, p), q in zip(reference.named_parameters(), module.parameters()):
         assert rel_err(q.grad.numpy(), p.grad.numpy()) < 1e-4, name  # float32 sums in another order
 
@@ -198,8 +200,8 @@ def test_compile_option_runs_inductors_code_matching_eager_values_and_gradients_
                                                                                                   scan_op):
     from portable_ssm.backends import torch as torch_backend
 
-    if scan_op:  # the portable_ssm::ssd_scan op inside inductor's graph (eager runs it too)
-        monkeypatch.setattr(torch_backend, "SCAN_OP_MIN_TOKENS", 1)
+    if not scan_op:  # autograd of the reference scan instead of the portable_ssm::ssd_scan op
+        monkeypatch.setattr(torch_backend, "_scan_op_takes", lambda *tensors: False)
     torch._dynamo.reset()
     eager, module = Mamba2Module(CONFIG, seed=6), Mamba2Module(CONFIG, seed=6, compile=True)
     x = _x(2, 10, 16)
