@@ -1,6 +1,6 @@
 """PyTorch: conversion, devices, the native fast paths (conv1d, SiLU and RMSNorm through torch's own
-ops, quantized matmuls, and NumPy's native scan on zero-copy views for CPU inference), and (for
-training) the nn.Module adapter.
+ops, quantized matmuls, the CPU kernels of :mod:`.torch_kernels`, the training scan op, and NumPy's
+native scan on zero-copy views for float64 CPU inference), and (for training) the nn.Module adapter.
 
 The core runs unchanged on torch tensors through array_api_compat, so autograd, ``torch.compile``
 and autocast see ordinary torch ops. :class:`Mamba2Module` / :class:`Mamba2LMModule` register the
