@@ -233,7 +233,7 @@ inline float softplus1(float v) { return 0.5f * (v + std::fabs(v)) + std::log1p(
 // A tensor whose last two axes are packed (rows of size(-2)·size(-1) contiguous floats), its
 // leading axes at any stride: a slice of in_proj's output, read in place.
 inline bool packed_rows(const at::Tensor& t) {
-  return t.stride(-1) == 1 && (t.size(-2) == 1 || t.stride(-2) == t.size(-1));
+  return t.numel() == 0 || (t.stride(-1) == 1 && (t.size(-2) == 1 || t.stride(-2) == t.size(-1)));
 }
 // exp8 where v may exceed float32's range or be NaN: +inf above it and NaN for NaN, as std::exp
 // (exp8 clamps both to its range; the segment sums of a negative Δ or a NaN input reach it).
@@ -1194,7 +1194,8 @@ SCAN_HEAD_BLOCK = 12
 def _packed_rows(t: torch.Tensor) -> torch.Tensor:
     """``t [b, l, m, k]`` as :func:`scan_forward` reads it: itself where each step's ``[m, k]`` is
     contiguous (a slice of the conv's output, read in place), else a contiguous copy."""
-    return t if t.stride(-1) == 1 and (t.shape[-2] == 1 or t.stride(-2) == t.shape[-1]) else t.contiguous()
+    packed = t.numel() == 0 or (t.stride(-1) == 1 and (t.shape[-2] == 1 or t.stride(-2) == t.shape[-1]))
+    return t if packed else t.contiguous()
 
 
 def scan_forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -1210,7 +1211,7 @@ def scan_forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Te
     reference do): those equal a clean input's bit for bit."""
     b, _, h, _ = x.shape
     g = B.shape[2]
-    per_group = -(-torch.get_num_threads() // (b * g))  # blocks per group that give every thread one
+    per_group = -(-torch.get_num_threads() // max(b * g, 1))  # blocks per group that give every thread one
     block = max(1, min(SCAN_HEAD_BLOCK, -(-(h // g) // per_group)))
     args = (_packed_rows(x), dt.contiguous(), A.contiguous(), _packed_rows(B), _packed_rows(C),
             None if D is None else D.contiguous(), None if initial_states is None else initial_states.contiguous(),

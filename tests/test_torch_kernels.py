@@ -281,6 +281,15 @@ def test_scan_kernel_equals_the_float64_reference(kernel, b, l, h, p, g, n, Q, D
 
 
 @requires_kernel
+@pytest.mark.parametrize(("b", "l"), [(0, 10), (2, 0)])
+def test_scan_kernel_takes_an_empty_batch_or_sequence(kernel, b, l):
+    args = _scan_args(1, b=b, l=l, h=4, p=8, g=2, n=6, D="per head", initial=True)
+    y, final = kernel.scan_forward(*args, 64)
+    assert y.shape == (b, l, 4, 8) and final.shape == (b, 4, 8, 6)
+    assert torch.equal(final, args[6])  # no step: the state as it came in
+
+
+@requires_kernel
 def test_scan_kernel_gives_the_same_scan_for_every_block_of_heads(kernel, monkeypatch):
     """The heads go in blocks (one per work item, the items over the threads): any block size, one
     head up to a whole group, gives the scan (to rounding: the products take other widths)."""
