@@ -237,6 +237,14 @@ def test_scan_diagonal_block_kernel_refuses_other_dtypes_and_shapes(kernel):
         kernel.scan_diagonal_block(prefix, G, dW.double(), delta, -40.0)
 
 
+def _refuse_kernel(monkeypatch, name: str, change: str) -> None:
+    """``torch_kernels.<name>`` fails the test if called; ``change`` "kernels off" also turns the
+    kernels off through the environment variable."""
+    monkeypatch.setattr(torch_kernels, name, lambda *a: pytest.fail(f"the kernel took the call ({name})"))
+    if change == "kernels off":
+        monkeypatch.setenv(torch_kernels.ENV, "0")
+
+
 def _scan_args(seed: int, *, b: int, l: int, h: int, p: int, g: int, n: int, D: str, initial: bool,
                sliced: bool = False) -> tuple[torch.Tensor | None, ...]:
     """Float32 scan inputs ``(x, Δ, A, B, C, D, initial_states)`` (Δ positive, A negative); ``sliced``:
@@ -355,15 +363,27 @@ def test_scan_kernel_keeps_a_non_finite_input_from_the_steps_before_it(kernel, m
 @requires_kernel
 @pytest.mark.parametrize("change", ["float64", "kernels off", "packed rows"])
 def test_scan_kernel_leaves_float64_packed_rows_and_a_disabled_build_to_numpy(kernel, monkeypatch, change):
-    monkeypatch.setattr(torch_kernels, "scan_forward", lambda *a: pytest.fail("the kernel took the scan"))
-    if change == "kernels off":
-        monkeypatch.setenv(torch_kernels.ENV, "0")
+    _refuse_kernel(monkeypatch, "scan_forward", change)
     x, dt, A, B, C, D, initial = _scan_args(6, b=1, l=90, h=4, p=8, g=1, n=6, D="per head", initial=True)
     if change == "float64":
         x, dt, A, B, C, D, initial = (v.double() for v in (x, dt, A, B, C, D, initial))
     seq_idx = torch.zeros(1, 90, dtype=torch.int32) if change == "packed rows" else None
     with torch.no_grad():
         y, final = backend.ssd_chunked(x, dt, A, B, C, None, initial, seq_idx=seq_idx, D=D)
+    want_y, want_final = _reference_scan_float64(x, dt, A, B, C, D, initial, 64)
+    assert rel_err(y.numpy(), want_y.numpy()) < 2e-6 and rel_err(final.numpy(), want_final.numpy()) < 2e-6
+
+
+@requires_kernel
+def test_scan_kernel_leaves_a_lazily_negated_tensor_to_the_reference(kernel, monkeypatch):
+    """A tensor with torch's lazy negative bit holds the negated values in memory: native code reading
+    its pointer would see them, so neither the kernel nor NumPy's views take it (``_plain_cpu``)."""
+    _refuse_kernel(monkeypatch, "scan_forward", "")
+    x, dt, A, B, C, D, initial = _scan_args(8, b=1, l=40, h=4, p=8, g=1, n=6, D="per head", initial=True)
+    negated = torch._neg_view(-x)  # x's values, -x in memory
+    assert negated.is_neg() and torch.equal(negated, x)
+    with torch.no_grad():
+        y, final = backend.ssd_chunked(negated, dt, A, B, C, None, initial, D=D)
     want_y, want_final = _reference_scan_float64(x, dt, A, B, C, D, initial, 64)
     assert rel_err(y.numpy(), want_y.numpy()) < 2e-6 and rel_err(final.numpy(), want_final.numpy()) < 2e-6
 
@@ -469,9 +489,7 @@ def test_conv_kernel_reads_a_slice_of_wider_rows_in_place_and_copies_overlapping
 @requires_kernel
 @pytest.mark.parametrize("change", ["float64", "kernels off"])
 def test_training_conv_kernel_leaves_float64_and_a_disabled_build_to_the_other_paths(kernel, monkeypatch, change):
-    monkeypatch.setattr(torch_kernels, "conv_silu", lambda *a: pytest.fail("the kernel took the conv"))
-    if change == "kernels off":
-        monkeypatch.setenv(torch_kernels.ENV, "0")
+    _refuse_kernel(monkeypatch, "conv_silu", change)
     leaves = _conv_leaves(5, b=1, l=12, d=10, k=4, bias=True, state=True,
                           dtype=torch.float64 if change == "float64" else torch.float32)
     with torch.no_grad():
@@ -571,9 +589,7 @@ def test_norm_kernel_reads_a_slice_of_wider_rows_in_place_and_copies_overlapping
 @requires_kernel
 @pytest.mark.parametrize("change", ["float64", "kernels off"])
 def test_norm_kernel_leaves_float64_and_a_disabled_build_to_torchs_ops(kernel, monkeypatch, change):
-    monkeypatch.setattr(torch_kernels, "gated_rms_norm", lambda *a: pytest.fail("the kernel took the norm"))
-    if change == "kernels off":
-        monkeypatch.setenv(torch_kernels.ENV, "0")
+    _refuse_kernel(monkeypatch, "gated_rms_norm", change)
     leaves = _norm_leaves(5, lead=(2, 6), d=16, gate=True, sliced=True,
                           dtype=torch.float64 if change == "float64" else torch.float32)
     got = _norm_and_grads(backend.gated_rms_norm, leaves, 2)
