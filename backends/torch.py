@@ -365,10 +365,10 @@ packed_linear = torch.ops.portable_ssm.packed_linear
 
 
 #: The chunk length of the training scan's backward (at least the forward's; like the forward's, the
-#: result does not depend on it beyond rounding): with the diagonal blocks in one kernel pass each,
-#: fewer chunks cost less than the smaller blocks save (a 130m layer's backward at l=2048 on 2
-#: threads: 78 ms at 128 against 91 ms at the forward's automatic 64, and 87 ms at 256).
-BACKWARD_CHUNK = 128
+#: result does not depend on it beyond rounding). With the C++ backward (float32), a 130m layer's
+#: training step at l=2048 on 2 threads took 250.8 / 265.7 / 263.9 ms at 64 / 128 / 256 (one process,
+#: the three in turn; torch ops alone, float64 or without the kernels, had been fastest at 128).
+BACKWARD_CHUNK = 64
 
 
 def _scan_op_takes(*tensors: torch.Tensor | None) -> bool:
@@ -426,12 +426,12 @@ def _ssd_scan_backward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
                        dy: torch.Tensor, dfinal: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``portable_ssm::ssd_scan_backward`` on the CPU: the gradients of x, Δ, A, B, C, D and
     initial_states (an empty tensor for an absent D or initial_states) from the hand-written
-    backward (``portable_ssm.backends.torch_scan``, float32 diagonal blocks through
-    :mod:`.torch_kernels` where it is built), or, where they come out non-finite (a
+    backward (``portable_ssm.backends.torch_scan``; float32 through :mod:`.torch_kernels`' C++
+    backward where it is built), or, where they come out non-finite (a
     non-finite input or incoming gradient; one sum per gradient tells, a pass where ``isfinite``
     takes four), from autograd of the reference, which is then exact."""
     inputs = (x, dt, A, B, C, D, initial_states)
-    torch_kernels.ensure()  # the diagonal blocks' kernel, built on first use
+    torch_kernels.ensure()  # the C++ backward, built on first use
     backward_chunk = max(chunk_size, min(BACKWARD_CHUNK, x.shape[1]))  # the gradients do not depend on it
     with torch.no_grad():
         grads = torch_scan.ssd_chunked_grad(x, dt, A, B, C, backward_chunk, initial_states, D, dy, dfinal)

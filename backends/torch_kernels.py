@@ -1,6 +1,6 @@
 """Hand-written CPU kernels for the torch backend: batch-1 decode's one-row matrix products,
-every decode step's state update, the conv and SiLU, the gated RMSNorm, the chunked scan, and the
-diagonal blocks of the training scan's backward.
+every decode step's state update, the conv and SiLU, the gated RMSNorm, and the chunked scan and
+its backward.
 
 A decode step of one row reads every weight once, so its time is the memory bandwidth's. torch's
 own GEMV (MKL on some CPUs takes a generic path) and inductor's generated one (one accumulator
@@ -38,11 +38,14 @@ bits. :data:`SOURCE` holds small C++ kernels instead:
   blocks split over the threads, each chunk's products one matrix product each for the block
   (NumPy's loop makes about twenty passes over each chunk's ``[heads, Q, Q]`` decays and its
   temporaries: 26 against 11 ms for a 130m layer's scan at l=2048 on 2 threads);
-* ``scan_diagonal_block``: the diagonal block of one chunk of the training scan's backward
-  (:func:`portable_ssm.backends.torch_scan.diagonal_block`) for float32 tensors: each head's
-  ``[q, q]`` decays exponentiated once and every product and sum over them taken in the same pass,
-  the heads split over the threads (torch ops make about fifteen passes over ``[heads, q, q]``
-  temporaries and a float64 one).
+* ``scan_backward``: the training scan op's backward for float32 tensors
+  (:func:`portable_ssm.backends.torch_scan.ssd_chunked_grad`'s steps) in one C++ pass per block of
+  heads, as the forward's: the entering states recomputed, then the chunks from last to first, each
+  chunk's products one matrix product each for the block, each head's ``[q, q]`` decays of the
+  diagonal block exponentiated once with every product and sum over them in the same pass (the
+  torch ops take about fifty ops per chunk, each a pass over a ``[heads, q, p]``, ``[heads, q, n]``
+  or smaller temporary: a 130m layer's training step at l=2048 took 1.14x as long with them,
+  ``benchmarks/train_kernels_ab.py --only-scan-backward``).
 
 ``python benchmarks/decode_model_ab.py --against REV`` times the whole-model step against the
 kernels of an earlier revision, alternating in one process. On a 2-core AVX-512 VM, the prefetches
@@ -83,6 +86,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <vector>
 #include <type_traits>
@@ -93,6 +97,20 @@ inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// sum_i a[i] * b[i] over n floats in cache: two accumulators of eight lanes, then the tail.
+inline float inner(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+  float total = horizontal_sum(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
 }
 
 // The eight float32 weights at w + i, widened from the storage type.
@@ -357,74 +375,97 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_step(
   return {y, new_conv, new_ssm};
 }
 
-// The diagonal block of the chunked scan's backward (portable_ssm.backends.torch_scan's step 1) for
-// one chunk, every head in one pass over its [q, q] block: with seg_ij = prefix_i - prefix_j (float64
-// prefix sums of A·Δ, the difference rounded to float32), L_ij = exp(max(seg_ij, floor)) for j <= i
-// and 0 above, and dW = dy xᵀ,
-//   W_ij = L_ij G_ij Δ_j (the block's weights),  dGh_ij = dW_ij L_ij Δ_j (dG's share of this head),
-//   ddelta_j = Σ_i dW_ij L_ij G_ij,  dacs_i = Σ_j dW_ij W_ij - Σ_j dW_ji W_ji.
-// prefix [m, r, q] float64, G [m, q, q], dW [m, r, q, q], delta [m, r, q] float32 (m = batch·groups,
-// r heads per group); the heads split over the threads.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_diagonal_block(
-    const at::Tensor& prefix, const at::Tensor& G, const at::Tensor& dW, const at::Tensor& delta, double floor) {
-  TORCH_CHECK(prefix.dim() == 3 && prefix.scalar_type() == at::kDouble && prefix.is_contiguous(),
-              "scan_diagonal_block: prefix must be a contiguous float64 [m, r, q], got ", prefix.sizes(), " ",
-              prefix.scalar_type());
-  check_f32(G, "G", 3); check_f32(dW, "dW", 4); check_f32(delta, "delta", 3);
-  const int64_t m = prefix.size(0), r = prefix.size(1), q = prefix.size(2);
-  TORCH_CHECK(G.size(0) == m && G.size(1) == q && G.size(2) == q && dW.size(0) == m && dW.size(1) == r &&
-              dW.size(2) == q && dW.size(3) == q && delta.sizes() == prefix.sizes(),
-              "scan_diagonal_block: shapes do not match prefix ", prefix.sizes(), ": G ", G.sizes(), ", dW ",
-              dW.sizes(), ", delta ", delta.sizes());
-  at::Tensor W = at::empty_like(dW), dGh = at::empty_like(dW);
-  at::Tensor ddelta = at::empty_like(delta), dacs = at::empty_like(delta);
-  const double* P = prefix.data_ptr<double>();
-  const float *Gp = G.data_ptr<float>(), *E = dW.data_ptr<float>(), *Dp = delta.data_ptr<float>();
-  float *Wp = W.data_ptr<float>(), *dGp = dGh.data_ptr<float>(), *ddp = ddelta.data_ptr<float>();
-  float* dap = dacs.data_ptr<float>();
-  const float lowest = static_cast<float>(floor);
-  at::parallel_for(0, m * r, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> seg(q), down(q);  // one row's segment sums; Σ_i over the rows so far, per column
-    for (int64_t head = begin; head < end; ++head) {
-      const double* pre = P + head * q;
-      const float* d = Dp + head * q;
-      const float* Gm = Gp + (head / r) * q * q;
-      float* dd = ddp + head * q;
-      std::fill(dd, dd + q, 0.f);
-      std::fill(down.begin(), down.end(), 0.f);
-      for (int64_t i = 0; i < q; ++i) {
-        const float *e = E + (head * q + i) * q, *g = Gm + i * q;
-        float *w = Wp + (head * q + i) * q, *dg = dGp + (head * q + i) * q;
-        for (int64_t j = 0; j <= i; ++j) seg[j] = std::max(static_cast<float>(pre[i] - pre[j]), lowest);
-        __m256 across = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= i + 1; j += 8) {
-          const __m256 L = exp8(_mm256_loadu_ps(seg.data() + j)), dj = _mm256_loadu_ps(d + j);
-          const __m256 gj = _mm256_loadu_ps(g + j), eL = _mm256_mul_ps(_mm256_loadu_ps(e + j), L);
-          _mm256_storeu_ps(w + j, _mm256_mul_ps(_mm256_mul_ps(L, gj), dj));
-          _mm256_storeu_ps(dg + j, _mm256_mul_ps(eL, dj));
-          const __m256 t = _mm256_mul_ps(eL, gj), u = _mm256_mul_ps(t, dj);
-          _mm256_storeu_ps(dd + j, _mm256_add_ps(_mm256_loadu_ps(dd + j), t));
-          _mm256_storeu_ps(down.data() + j, _mm256_add_ps(_mm256_loadu_ps(down.data() + j), u));
-          across = _mm256_add_ps(across, u);
-        }
-        float row_sum = horizontal_sum(across);
-        for (; j <= i; ++j) {
-          const float L = std::exp(seg[j]), eL = e[j] * L, t = eL * g[j], u = t * d[j];
-          w[j] = L * g[j] * d[j];
-          dg[j] = eL * d[j];
-          dd[j] += t;
-          down[j] += u;
-          row_sum += u;
-        }
-        std::fill(w + i + 1, w + q, 0.f);
-        std::fill(dg + i + 1, dg + q, 0.f);
-        dap[head * q + i] = row_sum;
-      }
-      for (int64_t i = 0; i < q; ++i) dap[head * q + i] -= down[i];
+// One head's diagonal block of one chunk of the chunked scan's backward (step 1 of
+// portable_ssm.backends.torch_scan's loop), in one pass over its [q, q] block: with seg_ij = pre_i -
+// pre_j (float64 prefix sums of A·Δ, the difference rounded to float32), L_ij = exp(max(seg_ij,
+// floor)) for j <= i and 0 above, G = C Bᵀ [q, q] and dW = dy xᵀ [q, q],
+//   w_ij = W_ij = L_ij G_ij Δ_j (the block's weights, 0 above the diagonal),
+//   dG_ij += dW_ij L_ij Δ_j (this head's share of dG),  dd_j = Σ_i dW_ij L_ij G_ij (dΔ through the block),
+//   dacs_i = Σ_j dW_ij W_ij - Σ_j dW_ji W_ji (the gradient of the cumulative sums; seg_ij = acs_i - acs_j).
+// seg and down: scratch of q floats.
+inline void diagonal_block_head(const double* pre, const float* d, const float* G, const float* dW, int64_t q,
+                                float lowest, float* w, float* dG, float* dd, float* dacs, float* seg, float* down) {
+  std::fill(dd, dd + q, 0.f);
+  std::fill(down, down + q, 0.f);  // Σ_i over the rows so far, per column
+  for (int64_t i = 0; i < q; ++i) {
+    const float *e = dW + i * q, *g = G + i * q;
+    float *wi = w + i * q, *dg = dG + i * q;
+    for (int64_t j = 0; j <= i; ++j) seg[j] = std::max(static_cast<float>(pre[i] - pre[j]), lowest);
+    __m256 across = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= i + 1; j += 8) {
+      const __m256 L = exp8(_mm256_loadu_ps(seg + j)), dj = _mm256_loadu_ps(d + j);
+      const __m256 gj = _mm256_loadu_ps(g + j), eL = _mm256_mul_ps(_mm256_loadu_ps(e + j), L);
+      _mm256_storeu_ps(wi + j, _mm256_mul_ps(_mm256_mul_ps(L, gj), dj));
+      _mm256_storeu_ps(dg + j, _mm256_fmadd_ps(eL, dj, _mm256_loadu_ps(dg + j)));
+      const __m256 t = _mm256_mul_ps(eL, gj), u = _mm256_mul_ps(t, dj);
+      _mm256_storeu_ps(dd + j, _mm256_add_ps(_mm256_loadu_ps(dd + j), t));
+      _mm256_storeu_ps(down + j, _mm256_add_ps(_mm256_loadu_ps(down + j), u));
+      across = _mm256_add_ps(across, u);
     }
-  });
-  return {W, dGh.view({m, r, q, q}).sum(1), ddelta, dacs};
+    float row_sum = horizontal_sum(across);
+    for (; j <= i; ++j) {
+      const float L = std::exp(seg[j]), eL = e[j] * L, t = eL * g[j], u = t * d[j];
+      wi[j] = L * g[j] * d[j];
+      dg[j] += eL * d[j];
+      dd[j] += t;
+      down[j] += u;
+      row_sum += u;
+    }
+    std::fill(wi + i + 1, wi + q, 0.f);
+    dacs[i] = row_sum;
+  }
+  for (int64_t i = 0; i < q; ++i) dacs[i] -= down[i];
+}
+
+// The scan's sizes and optional inputs, once its tensors are checked (`name`: the kernel, for messages).
+struct ScanSizes {
+  int64_t b, l, h, p, g, n, r;
+  const float* D;  // nullptr: no skip
+  bool d_per_channel;  // D is [h, p], else [h]
+  const float* initial;  // nullptr: no initial state
+};
+
+// The scan's inputs as ssd_chunked_ref takes them (no seq_idx): x [b, l, h, p], B and C [b, l, g, n]
+// float32 with packed rows at any row and step stride (slices of the conv's output), dt [b, l, h] and
+// A [h] contiguous float32, D [h] or [h, p] and initial [b, h, p, n] contiguous float32 or absent.
+ScanSizes check_scan(const char* name, const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                     const at::Tensor& B, const at::Tensor& C, const c10::optional<at::Tensor>& D,
+                     const c10::optional<at::Tensor>& initial) {
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && packed_rows(x),
+              name, ": x must be a float32 [b, l, h, p] with contiguous [h, p] rows, got ", x.sizes(), " ",
+              x.strides(), " ", x.scalar_type());
+  const int64_t b = x.size(0), l = x.size(1), h = x.size(2), p = x.size(3);
+  TORCH_CHECK(B.dim() == 4 && B.sizes() == C.sizes() && B.size(0) == b && B.size(1) == l && B.size(2) > 0 &&
+                  h % B.size(2) == 0,
+              name, ": B and C must be [b, l, g, n] with g dividing h = ", h, ", got ", B.sizes(), " and ",
+              C.sizes());
+  const int64_t g = B.size(2), n = B.size(3), r = h / g;
+  TORCH_CHECK(B.scalar_type() == at::kFloat && C.scalar_type() == at::kFloat && packed_rows(B) && packed_rows(C),
+              name, ": B and C must be float32 with contiguous [g, n] rows, got strides ", B.strides(), " and ",
+              C.strides());
+  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && A.scalar_type() == at::kFloat &&
+                  A.is_contiguous(), name, ": dt and A must be contiguous float32");
+  TORCH_CHECK(dt.dim() == 3 && dt.size(0) == b && dt.size(1) == l && dt.size(2) == h && A.dim() == 1 &&
+                  A.size(0) == h, name, ": dt must be [b, l, h] and A [h] for x ", x.sizes(), ", got ",
+              dt.sizes(), " and ", A.sizes());
+  const float* Dp = nullptr;
+  bool d_per_channel = false;
+  if (D.has_value()) {
+    TORCH_CHECK(D->scalar_type() == at::kFloat && D->is_contiguous() &&
+                ((D->dim() == 1 && D->size(0) == h) || (D->dim() == 2 && D->size(0) == h && D->size(1) == p)),
+                name, ": D must be a contiguous float32 [h] or [h, p], got ", D->sizes());
+    Dp = D->data_ptr<float>();
+    d_per_channel = D->dim() == 2;
+  }
+  const float* Ip = nullptr;
+  if (initial.has_value()) {
+    TORCH_CHECK(initial->scalar_type() == at::kFloat && initial->is_contiguous() && initial->dim() == 4 &&
+                initial->size(0) == b && initial->size(1) == h && initial->size(2) == p && initial->size(3) == n,
+                name, ": initial_states must be a contiguous float32 [b, h, p, n], got ", initial->sizes());
+    Ip = initial->data_ptr<float>();
+  }
+  return {b, l, h, p, g, n, r, Dp, d_per_channel, Ip};
 }
 
 // The chunked scan's forward (portable_ssm.ssd.ssd_chunked_ref without seq_idx) for float32
@@ -447,39 +488,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scan_forward(
     const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
     const c10::optional<at::Tensor>& D, const c10::optional<at::Tensor>& initial, int64_t chunk, double floor,
     int64_t block, bool safe) {
-  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && packed_rows(x),
-              "scan_forward: x must be a float32 [b, l, h, p] with contiguous [h, p] rows, got ", x.sizes(), " ",
-              x.strides(), " ", x.scalar_type());
-  const int64_t b = x.size(0), l = x.size(1), h = x.size(2), p = x.size(3);
-  TORCH_CHECK(B.dim() == 4 && B.sizes() == C.sizes() && B.size(0) == b && B.size(1) == l && B.size(2) > 0 &&
-                  h % B.size(2) == 0,
-              "scan_forward: B and C must be [b, l, g, n] with g dividing h = ", h, ", got ", B.sizes(), " and ",
-              C.sizes());
-  const int64_t g = B.size(2), n = B.size(3), r = h / g;
-  TORCH_CHECK(B.scalar_type() == at::kFloat && C.scalar_type() == at::kFloat && packed_rows(B) && packed_rows(C),
-              "scan_forward: B and C must be float32 with contiguous [g, n] rows, got strides ", B.strides(), " and ",
-              C.strides());
-  TORCH_CHECK(dt.scalar_type() == at::kFloat && dt.is_contiguous() && A.scalar_type() == at::kFloat &&
-                  A.is_contiguous(), "scan_forward: dt and A must be contiguous float32");
-  TORCH_CHECK(dt.dim() == 3 && dt.size(0) == b && dt.size(1) == l && dt.size(2) == h && A.dim() == 1 &&
-                  A.size(0) == h, "scan_forward: dt must be [b, l, h] and A [h] for x ", x.sizes(), ", got ",
-              dt.sizes(), " and ", A.sizes());
-  const float* Dp = nullptr;
-  bool d_per_channel = false;
-  if (D.has_value()) {
-    TORCH_CHECK(D->scalar_type() == at::kFloat && D->is_contiguous() &&
-                ((D->dim() == 1 && D->size(0) == h) || (D->dim() == 2 && D->size(0) == h && D->size(1) == p)),
-                "scan_forward: D must be a contiguous float32 [h] or [h, p], got ", D->sizes());
-    Dp = D->data_ptr<float>();
-    d_per_channel = D->dim() == 2;
-  }
-  const float* Ip = nullptr;
-  if (initial.has_value()) {
-    TORCH_CHECK(initial->scalar_type() == at::kFloat && initial->is_contiguous() && initial->dim() == 4 &&
-                initial->size(0) == b && initial->size(1) == h && initial->size(2) == p && initial->size(3) == n,
-                "scan_forward: initial_states must be a contiguous float32 [b, h, p, n], got ", initial->sizes());
-    Ip = initial->data_ptr<float>();
-  }
+  const ScanSizes z = check_scan("scan_forward", x, dt, A, B, C, D, initial);
+  const int64_t b = z.b, l = z.l, h = z.h, p = z.p, g = z.g, n = z.n, r = z.r;
+  const float *Dp = z.D, *Ip = z.initial;
+  const bool d_per_channel = z.d_per_channel;
   TORCH_CHECK(chunk > 0 && block > 0, "scan_forward: chunk and block must be positive");
   const int64_t Q = std::min(chunk, std::max<int64_t>(l, 1));
   at::Tensor y = at::empty({b, l, h, p}, x.options()), final = at::empty({b, h, p, n}, x.options());
@@ -625,6 +637,252 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scan_forward(
   double check = 0.0;
   for (double s : sums) check += s;
   return {y, final, at::scalar_tensor(check, at::TensorOptions().dtype(at::kDouble))};
+}
+
+// Per head of a block of bw heads, one chunk's factors from its q steps of Δ (at d[j·h] for the block's
+// first head, the heads one apart) and A (at Ah, as d): the steps Δ, the float64 prefix sums pre of
+// a = A·Δ from the chunk's start, exp(acs_i) (from_start, acs the float32 cumulative sum), exp(acs_last
+// - acs_j) Δ_j (fed: what x_j feeds the leaving state; its exp is to_end) and exp(acs_last) (chunk),
+// each exp flushed to 0 below `lowest` (portable_ssm.ssd.decay). Per-head rows of the arrays are Q apart.
+struct ChunkFactors {
+  std::vector<float> delta, from_start, to_end, fed, chunk;
+  std::vector<double> pre;
+  int64_t Q;
+  ChunkFactors(int64_t bw, int64_t Q)
+      : delta(bw * Q), from_start(bw * Q), to_end(bw * Q), fed(bw * Q), chunk(bw), pre(bw * Q), Q(Q) {}
+  void compute(const float* d, const float* Ah, int64_t h, int64_t bw, int64_t q, float lowest) {
+    const auto decay = [lowest](float v) { return v >= lowest ? std::exp(v) : 0.f; };
+    for (int64_t hh = 0; hh < bw; ++hh) {
+      const float a_h = Ah[hh];
+      float run = 0.f, suffix = 0.f;
+      double prun = 0.0;
+      for (int64_t j = 0; j < q; ++j) {
+        const float step = d[j * h + hh], a = step * a_h;
+        run += a;
+        prun += static_cast<double>(a);
+        delta[hh * Q + j] = step;
+        pre[hh * Q + j] = prun;
+        from_start[hh * Q + j] = decay(run);
+      }
+      chunk[hh] = decay(run);
+      for (int64_t j = q - 1; j >= 0; --j) {  // suffix: Σ_{k>j} a_k, from the end
+        to_end[hh * Q + j] = decay(suffix);
+        fed[hh * Q + j] = to_end[hh * Q + j] * delta[hh * Q + j];
+        suffix += delta[hh * Q + j] * a_h;
+      }
+    }
+  }
+};
+
+// The chunked scan's backward for float32 tensors: the gradients of sum(dy·y) + sum(dfinal·final)
+// for (y, final) = scan_forward(x, dt, A, B, C, D, initial) (what
+// portable_ssm.backends.torch_scan.ssd_chunked_grad computes in torch ops and documents step by
+// step), in chunks of `chunk`. One pass per block of `block` heads of a group (the blocks split over
+// the threads): the states entering the chunks recomputed first (the block's [n, block·p] state, one
+// Bᵀ X product per chunk), then the chunks from last to first, each product one matrix product for
+// the block (C Bᵀ, dy xᵀ and Wᵀ dy per head, dy Sᵀ per head, Cᵀ dy, B dS, X dSᵀ) and the diagonal
+// blocks one pass per head (diagonal_block_head). Returns (dx [b, l, h, p], dΔ [b, l, h], dA [h], dB
+// and dC [b, l, g, n], dD as D (empty without), d initial [b, h, p, n] (empty without)); dA and dD
+// sum over the steps in float64.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> scan_backward(
+    const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
+    const c10::optional<at::Tensor>& D, const c10::optional<at::Tensor>& initial, const at::Tensor& dy,
+    const at::Tensor& dfinal, int64_t chunk, double floor, int64_t block) {
+  const ScanSizes z = check_scan("scan_backward", x, dt, A, B, C, D, initial);
+  const int64_t b = z.b, l = z.l, h = z.h, p = z.p, g = z.g, n = z.n, r = z.r;
+  TORCH_CHECK(dy.scalar_type() == at::kFloat && dy.is_contiguous() && dy.sizes() == x.sizes(),
+              "scan_backward: dy must be a contiguous float32 ", x.sizes(), ", got ", dy.sizes(), " ",
+              dy.scalar_type());
+  TORCH_CHECK(dfinal.scalar_type() == at::kFloat && dfinal.is_contiguous() && dfinal.dim() == 4 &&
+              dfinal.size(0) == b && dfinal.size(1) == h && dfinal.size(2) == p && dfinal.size(3) == n,
+              "scan_backward: dfinal must be a contiguous float32 [b, h, p, n], got ", dfinal.sizes());
+  TORCH_CHECK(chunk > 0 && block > 0, "scan_backward: chunk and block must be positive");
+  const int64_t Q = std::min(chunk, std::max<int64_t>(l, 1)), chunks = (l + Q - 1) / Q;
+  const int64_t blocks = (r + block - 1) / block, items = b * g * blocks;
+  const auto f32 = x.options().dtype(at::kFloat), f64 = x.options().dtype(at::kDouble);
+  at::Tensor dx = at::empty({b, l, h, p}, f32), ddt = at::empty({b, l, h}, f32);
+  at::Tensor dB = at::empty({blocks, b, l, g, n}, f32), dC = at::empty({blocks, b, l, g, n}, f32);
+  // dA and dD per row (the rows' items run at once), summed after
+  at::Tensor dA = at::zeros({b, h}, f64), dD = at::zeros({b, h, p}, f64), dinit = at::empty({b, h, p, n}, f32);
+  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
+  const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>(), *dyp = dy.data_ptr<float>();
+  const float* dfp = dfinal.data_ptr<float>();
+  float *dxp = dx.data_ptr<float>(), *ddtp = ddt.data_ptr<float>(), *dBp = dB.data_ptr<float>();
+  float *dCp = dC.data_ptr<float>(), *dip = dinit.data_ptr<float>();
+  double *dAp = dA.data_ptr<double>(), *dDp = dD.data_ptr<double>();
+  const int64_t xr = x.stride(0), xl = x.stride(1), br = B.stride(0), bl = B.stride(1);
+  const int64_t cr = C.stride(0), cl = C.stride(1);
+  const float lowest = static_cast<float>(floor);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / (g * blocks), group = (item / blocks) % g, part = item % blocks;
+      const int64_t first = part * block, bw = std::min(block, r - first), h0 = group * r + first, wide = bw * p;
+      ChunkFactors f(bw, Q);
+      // the entering states, [chunks][n, bw·p] (one [n, bw·p] without a step: the initial state's gradient
+      // is then dfinal's), left uninitialised: each is written before it is read
+      std::unique_ptr<float[]> states(new float[std::max<int64_t>(chunks, 1) * n * wide]);
+      std::vector<float> dS(n * wide), dS_in(n * wide), fed(Q * wide), dyf(Q * wide);
+      std::vector<float> BdS(Q * wide), G(Q * Q), dG(Q * Q), dW(bw * Q * Q), W(bw * Q * Q), dxc(bw * Q * p);
+      std::vector<float> read(bw * Q * n), dBc(Q * n), dCc(Q * n), ddelta(bw * Q), dacs(bw * Q), seg(Q), down(Q);
+      std::vector<float> dlast(bw);
+      const auto Bc_at = [&](int64_t t0, int64_t q) {  // the chunk's rows of B and C, [q, n] (read in place)
+        return at::from_blob(const_cast<float*>(Bp + row * br + t0 * bl + group * n), {q, n}, {bl, 1}, opts);
+      };
+      const auto Cc_at = [&](int64_t t0, int64_t q) {
+        return at::from_blob(const_cast<float*>(Cp + row * cr + t0 * cl + group * n), {q, n}, {cl, 1}, opts);
+      };
+      const auto factors = [&](int64_t t0, int64_t q) {
+        f.compute(dtp + (row * l + t0) * h + h0, Ap + h0, h, bw, q, lowest);
+      };
+      const auto fill_fed = [&](int64_t t0, int64_t q) {  // fed [q, bw·p]: x_j exp(acs_last - acs_j) Δ_j
+        const float* xc = xp + row * xr + t0 * xl + h0 * p;
+        for (int64_t j = 0; j < q; ++j)
+          for (int64_t hh = 0; hh < bw; ++hh) {
+            const float v = f.fed[hh * Q + j];
+            for (int64_t c = 0; c < p; ++c) fed[j * wide + hh * p + c] = xc[j * xl + hh * p + c] * v;
+          }
+      };
+      // 0. the states entering the chunks, [chunks][n, bw·p]: the initial state (or 0), then per chunk
+      // S' = exp(acs_last) S + Bᵀ fed
+      float* S0 = states.get();
+      std::fill(S0, S0 + n * wide, 0.f);
+      if (z.initial != nullptr) {
+        for (int64_t hh = 0; hh < bw; ++hh)
+          for (int64_t c = 0; c < p; ++c)
+            for (int64_t k = 0; k < n; ++k) {
+              S0[k * wide + hh * p + c] = z.initial[((row * h + h0 + hh) * p + c) * n + k];
+            }
+      }
+      for (int64_t i = 0; i + 1 < chunks; ++i) {
+        const int64_t t0 = i * Q;
+        factors(t0, Q);
+        const float* S = states.get() + i * n * wide;
+        float* next = states.get() + (i + 1) * n * wide;
+        for (int64_t k = 0; k < n; ++k)
+          for (int64_t hh = 0; hh < bw; ++hh)
+            for (int64_t c = 0; c < p; ++c) next[k * wide + hh * p + c] = f.chunk[hh] * S[k * wide + hh * p + c];
+        fill_fed(t0, Q);
+        at::from_blob(next, {n, wide}, opts).addmm_(Bc_at(t0, Q).t(), at::from_blob(fed.data(), {Q, wide}, opts));
+      }
+      for (int64_t hh = 0; hh < bw; ++hh)  // dS: the gradient of the state leaving the last chunk
+        for (int64_t c = 0; c < p; ++c)
+          for (int64_t k = 0; k < n; ++k) dS[k * wide + hh * p + c] = dfp[((row * h + h0 + hh) * p + c) * n + k];
+      for (int64_t i = chunks - 1; i >= 0; --i) {
+        const int64_t t0 = i * Q, q = std::min(Q, l - t0);
+        factors(t0, q);
+        const float* S = states.get() + i * n * wide;
+        const float* xc = xp + row * xr + t0 * xl + h0 * p;  // x_j of head hh at xc + j·xl + hh·p
+        const float* dyc = dyp + ((row * l + t0) * h + h0) * p;  // dy_j of head hh at dyc + j·h·p + hh·p
+        const at::Tensor Bc = Bc_at(t0, q), Cc = Cc_at(t0, q);
+        const at::Tensor xb = at::from_blob(const_cast<float*>(xc), {bw, q, p}, {p, xl, 1}, opts);
+        const at::Tensor dyb = at::from_blob(const_cast<float*>(dyc), {bw, q, p}, {p, h * p, 1}, opts);
+        const at::Tensor St = at::from_blob(const_cast<float*>(S), {n, wide}, opts);
+        const at::Tensor dSt = at::from_blob(dS.data(), {n, wide}, opts);
+        at::Tensor Gt = at::from_blob(G.data(), {q, q}, opts), dGt = at::from_blob(dG.data(), {q, q}, opts);
+        at::Tensor dBct = at::from_blob(dBc.data(), {q, n}, opts), dCct = at::from_blob(dCc.data(), {q, n}, opts);
+        at::Tensor Wt = at::from_blob(W.data(), {bw, q, q}, opts), dWt = at::from_blob(dW.data(), {bw, q, q}, opts);
+        at::Tensor dxct = at::from_blob(dxc.data(), {bw, q, p}, opts);
+        at::Tensor readt = at::from_blob(read.data(), {bw, q, n}, opts);
+        at::Tensor dS_int = at::from_blob(dS_in.data(), {n, wide}, opts);
+        at::Tensor BdSt = at::from_blob(BdS.data(), {q, wide}, opts);
+
+        // 1. the diagonal blocks: W = G ⊙ L ⊙ Δ_j per head; dx = Wᵀ dy, dG -> dC = dG B, dB = dGᵀ C
+        at::mm_out(Gt, Cc, Bc.t());
+        at::bmm_out(dWt, dyb, xb.transpose(1, 2));  // dy xᵀ
+        std::fill(dG.begin(), dG.begin() + q * q, 0.f);
+        for (int64_t hh = 0; hh < bw; ++hh) {
+          diagonal_block_head(f.pre.data() + hh * Q, f.delta.data() + hh * Q, G.data(), dW.data() + hh * q * q, q,
+                              lowest, W.data() + hh * q * q, dG.data(), ddelta.data() + hh * Q, dacs.data() + hh * Q,
+                              seg.data(), down.data());
+        }
+        at::bmm_out(dxct, Wt.transpose(1, 2), dyb);
+        at::mm_out(dCct, dGt, Bc);
+        at::mm_out(dBct, dGt.t(), Cc);
+
+        // 2. the entering state read by C and decayed to each step, exp(acs_i) C_i S: per head
+        // read = exp(acs_i) dy S_hᵀ [q, n] into dC and d acs; dS_in = Cᵀ (dy ⊙ exp(acs_i))
+        at::bmm_out(readt, dyb, at::from_blob(const_cast<float*>(S), {bw, p, n}, {p, 1, wide}, opts));
+        for (int64_t hh = 0; hh < bw; ++hh)
+          for (int64_t j = 0; j < q; ++j) {
+            const float fs = f.from_start[hh * Q + j];
+            const float* rj = read.data() + (hh * q + j) * n;
+            const float* cj = Cp + row * cr + (t0 + j) * cl + group * n;
+            float* dcj = dCc.data() + j * n;
+            for (int64_t k = 0; k < n; ++k) dcj[k] += rj[k] * fs;
+            dacs[hh * Q + j] += fs * inner(rj, cj, n);
+            for (int64_t c = 0; c < p; ++c) dyf[j * wide + hh * p + c] = dyc[j * h * p + hh * p + c] * fs;
+          }
+        at::mm_out(dS_int, Cc.t(), at::from_blob(dyf.data(), {q, wide}, opts));
+
+        // 3. the state's update, S_out = exp(acs_last) S + Σ_j exp(acs_last - acs_j) Δ_j B_jᵀ x_j
+        std::fill(dlast.begin(), dlast.end(), 0.f);
+        for (int64_t k = 0; k < n; ++k)
+          for (int64_t hh = 0; hh < bw; ++hh) {
+            const int64_t at_ = k * wide + hh * p;
+            for (int64_t c = 0; c < p; ++c) dS_in[at_ + c] += f.chunk[hh] * dS[at_ + c];
+            dlast[hh] += inner(dS.data() + at_, S + at_, p);
+          }
+        at::mm_out(BdSt, Bc, dSt);  // B dS, [q, bw·p]
+        for (int64_t hh = 0; hh < bw; ++hh) {
+          float to_end_sum = 0.f;
+          const float Dh = z.D == nullptr || z.d_per_channel ? 0.f : z.D[h0 + hh];
+          const float* Dc = z.D != nullptr && z.d_per_channel ? z.D + (h0 + hh) * p : nullptr;
+          double* dDh = dDp + (row * h + h0 + hh) * p;
+          for (int64_t j = 0; j < q; ++j) {
+            const float v = f.fed[hh * Q + j];
+            const float* bd = BdS.data() + j * wide + hh * p;
+            const float* xj = xc + j * xl + hh * p;
+            const float* dyj = dyc + j * h * p + hh * p;
+            float* dxj = dxc.data() + (hh * q + j) * p;
+            for (int64_t c = 0; c < p; ++c) dxj[c] += v * bd[c];
+            const float dv = inner(bd, xj, p);
+            if (z.D != nullptr) {  // 4. the skip D: dx += D dy, dD += dy x
+              for (int64_t c = 0; c < p; ++c) {
+                dxj[c] += (Dc == nullptr ? Dh : Dc[c]) * dyj[c];
+                dDh[c] += static_cast<double>(dyj[c] * xj[c]);
+              }
+            }
+            ddelta[hh * Q + j] += dv * f.to_end[hh * Q + j];
+            const float d_to_end = dv * v;  // the gradient of the exponent acs_last - acs_j
+            dacs[hh * Q + j] -= d_to_end;
+            to_end_sum += d_to_end;
+          }
+          dacs[hh * Q + q - 1] += f.chunk[hh] * dlast[hh] + to_end_sum;
+        }
+        fill_fed(t0, q);
+        dBct.addmm_(at::from_blob(fed.data(), {q, wide}, opts), dSt.t());  // dB += X dSᵀ
+
+        // 5. acs back to a = A·Δ: da_k = Σ_{t >= k} dacs_t; dA += Σ da Δ, dΔ += da A; then the outputs
+        for (int64_t hh = 0; hh < bw; ++hh) {
+          const float a_h = Ap[h0 + hh];
+          float run = 0.f;
+          double dA_h = 0.0;
+          for (int64_t j = q - 1; j >= 0; --j) {
+            run += dacs[hh * Q + j];
+            dA_h += static_cast<double>(run * f.delta[hh * Q + j]);
+            ddtp[(row * l + t0 + j) * h + h0 + hh] = ddelta[hh * Q + j] + run * a_h;
+          }
+          dAp[row * h + h0 + hh] += dA_h;
+          for (int64_t j = 0; j < q; ++j)
+            std::memcpy(dxp + ((row * l + t0 + j) * h + h0 + hh) * p, dxc.data() + (hh * q + j) * p, p * sizeof(float));
+        }
+        for (int64_t j = 0; j < q; ++j) {
+          const int64_t at_ = (((part * b + row) * l + t0 + j) * g + group) * n;
+          std::memcpy(dBp + at_, dBc.data() + j * n, n * sizeof(float));
+          std::memcpy(dCp + at_, dCc.data() + j * n, n * sizeof(float));
+        }
+        std::swap(dS, dS_in);
+      }
+      for (int64_t hh = 0; hh < bw; ++hh)  // the gradient of the initial state, [n, bw·p] -> [b, h, p, n]
+        for (int64_t c = 0; c < p; ++c)
+          for (int64_t k = 0; k < n; ++k) dip[((row * h + h0 + hh) * p + c) * n + k] = dS[k * wide + hh * p + c];
+    }
+  });
+  at::Tensor dDout = z.D == nullptr ? at::empty({0}, f32)
+                                    : (z.d_per_channel ? dD.sum(0) : dD.sum({0, 2})).to(at::kFloat);
+  return {dx, ddt, dA.sum(0).to(at::kFloat), blocks == 1 ? dB[0] : dB.sum(0), blocks == 1 ? dC[0] : dC.sum(0), dDout,
+          z.initial == nullptr ? at::empty({0}, f32) : dinit};
 }
 
 // The causal depthwise conv and SiLU of a training forward, and its backward, V's lanes of channels
@@ -1035,8 +1293,9 @@ TORCH_LIBRARY(portable_ssm_cpu, m) {
         "-> (Tensor, Tensor[], Tensor[])");
   m.def("scan_forward(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? initial_states, "
         "int chunk, float floor, int block, bool safe) -> (Tensor, Tensor, Tensor)");
-  m.def("scan_diagonal_block(Tensor prefix, Tensor G, Tensor dW, Tensor delta, float floor) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("scan_backward(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? initial_states, "
+        "Tensor dy, Tensor dfinal, int chunk, float floor, int block) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("conv_silu(Tensor x, Tensor taps, Tensor? bias, Tensor history) -> Tensor");
   m.def("conv_silu_backward(Tensor dy, Tensor x, Tensor taps, Tensor? bias, Tensor history) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
@@ -1049,7 +1308,7 @@ TORCH_LIBRARY_IMPL(portable_ssm_cpu, CPU, m) {
   m.impl("decode_step", &decode_step);
   m.impl("decode_model", &decode_model);
   m.impl("scan_forward", &scan_forward);
-  m.impl("scan_diagonal_block", &scan_diagonal_block);
+  m.impl("scan_backward", &scan_backward);
   m.impl("conv_silu", &conv_silu);
   m.impl("conv_silu_backward", &conv_silu_backward);
   m.impl("gated_rms_norm", &gated_rms_norm);
@@ -1097,7 +1356,7 @@ def _build() -> bool:
     torch.library.register_fake("portable_ssm_cpu::decode_step")(_decode_step_shapes)
     torch.library.register_fake("portable_ssm_cpu::decode_model")(_decode_model_shapes)
     torch.library.register_fake("portable_ssm_cpu::scan_forward")(_scan_forward_shapes)
-    torch.library.register_fake("portable_ssm_cpu::scan_diagonal_block")(_scan_diagonal_block_shapes)
+    torch.library.register_fake("portable_ssm_cpu::scan_backward")(_scan_backward_shapes)
     torch.library.register_fake("portable_ssm_cpu::conv_silu")(lambda x, *rest: x.new_empty(x.shape))
     torch.library.register_fake("portable_ssm_cpu::conv_silu_backward")(_conv_silu_backward_shapes)
     torch.library.register_fake("portable_ssm_cpu::gated_rms_norm")(lambda y, *rest: y.new_empty(y.shape))
@@ -1127,9 +1386,12 @@ def _scan_forward_shapes(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: 
     return (x.new_empty(x.shape), x.new_empty((b, h, p, B.shape[-1])), x.new_empty((), dtype=torch.float64))
 
 
-def _scan_diagonal_block_shapes(prefix: torch.Tensor, G: torch.Tensor, dW: torch.Tensor, delta: torch.Tensor,
-                                floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return dW.new_empty(dW.shape), G.new_empty(G.shape), delta.new_empty(delta.shape), delta.new_empty(delta.shape)
+def _scan_backward_shapes(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                          D: torch.Tensor | None, initial_states: torch.Tensor | None, dy: torch.Tensor,
+                          dfinal: torch.Tensor, chunk: int, floor: float, block: int) -> tuple[torch.Tensor, ...]:
+    return (x.new_empty(x.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), B.new_empty(B.shape),
+            C.new_empty(C.shape), x.new_empty((0,)) if D is None else D.new_empty(D.shape),
+            x.new_empty((0,)) if initial_states is None else initial_states.new_empty(initial_states.shape))
 
 
 def _conv_silu_backward_shapes(dy: torch.Tensor, x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
@@ -1198,6 +1460,13 @@ def _packed_rows(t: torch.Tensor) -> torch.Tensor:
     return t if packed else t.contiguous()
 
 
+def _head_block(b: int, g: int, h: int) -> int:
+    """Heads per work item of the scan kernels (at most SCAN_HEAD_BLOCK of one group): as many
+    items per group as give every thread one."""
+    per_group = -(-torch.get_num_threads() // max(b * g, 1))
+    return max(1, min(SCAN_HEAD_BLOCK, -(-(h // g) // per_group)))
+
+
 def scan_forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                  D: torch.Tensor | None, initial_states: torch.Tensor | None,
                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1209,27 +1478,30 @@ def scan_forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Te
     product each for the block. A non-finite output (a non-finite input) runs the kernel again with
     masked products, which keep it from the outputs before its step (as NumPy's loop and the
     reference do): those equal a clean input's bit for bit."""
-    b, _, h, _ = x.shape
-    g = B.shape[2]
-    per_group = -(-torch.get_num_threads() // max(b * g, 1))  # blocks per group that give every thread one
-    block = max(1, min(SCAN_HEAD_BLOCK, -(-(h // g) // per_group)))
     args = (_packed_rows(x), dt.contiguous(), A.contiguous(), _packed_rows(B), _packed_rows(C),
             None if D is None else D.contiguous(), None if initial_states is None else initial_states.contiguous(),
-            chunk_size, ssd.decay_floor(torch.float32, xp=torch), block)
+            chunk_size, ssd.decay_floor(torch.float32, xp=torch), _head_block(x.shape[0], B.shape[2], x.shape[2]))
     y, final, check = torch.ops.portable_ssm_cpu.scan_forward(*args, False)
     if not math.isfinite(float(check)):  # a non-finite input: again, keeping it from the steps before it
         y, final, _ = torch.ops.portable_ssm_cpu.scan_forward(*args, True)
     return y, final
 
 
-def scan_diagonal_block(prefix: torch.Tensor, G: torch.Tensor, dW: torch.Tensor, delta: torch.Tensor,
-                        floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The diagonal block of one chunk of the scan's backward in one pass over each head's
-    ``[q, q]`` block (:func:`portable_ssm.backends.torch_scan.diagonal_block` computes the same in
-    torch ops and documents it): ``prefix [m, r, q]`` float64, ``G [m, q, q]``, ``dW [m, r, q, q]``,
-    ``delta [m, r, q]`` float32 -> ``(W [m, r, q, q], dG [m, q, q], dΔ [m, r, q], d acs [m, r, q])``."""
-    return torch.ops.portable_ssm_cpu.scan_diagonal_block(prefix.contiguous(), G.contiguous(), dW.contiguous(),
-                                                          delta.contiguous(), float(floor))
+def scan_backward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                  D: torch.Tensor | None, initial_states: torch.Tensor | None, dy: torch.Tensor, dfinal: torch.Tensor,
+                  chunk_size: int) -> tuple[torch.Tensor | None, ...]:
+    """The gradients ``(dx, dΔ, dA, dB, dC, dD, d initial_states)`` (None for an absent D or
+    initial state) of ``sum(dy·y) + sum(dfinal·final)`` for :func:`scan_forward`'s scan of float32
+    CPU tensors, in chunks of ``chunk_size`` (:func:`portable_ssm.backends.torch_scan.ssd_chunked_grad`
+    computes the same in torch ops and documents it): one C++ pass per block of heads, as the
+    forward's, the entering states recomputed first. A non-finite input or incoming gradient gives
+    non-finite gradients (the caller tells by their sums)."""
+    args = (_packed_rows(x), dt.contiguous(), A.contiguous(), _packed_rows(B), _packed_rows(C),
+            None if D is None else D.contiguous(), None if initial_states is None else initial_states.contiguous(),
+            dy.contiguous(), dfinal.contiguous(), chunk_size, ssd.decay_floor(torch.float32, xp=torch),
+            _head_block(x.shape[0], B.shape[2], x.shape[2]))
+    dx, ddt, dA, dB, dC, dD, d_initial = torch.ops.portable_ssm_cpu.scan_backward(*args)
+    return dx, ddt, dA, dB, dC, None if D is None else dD, None if initial_states is None else d_initial
 
 
 def _steps_apart(x: torch.Tensor) -> torch.Tensor:

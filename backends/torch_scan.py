@@ -35,15 +35,8 @@ def diagonal_block(prefix: torch.Tensor, G: torch.Tensor, dW: torch.Tensor, delt
     the difference in the compute dtype) and ``dW = dy xᵀ``. Returns ``(W, dG, dΔ, d acs)``: the
     block's weights, the gradient of ``G`` (summed over each group's heads), of Δ through the
     block, and of the cumulative sums ``acs`` (``seg_ij = acs_i - acs_j``). Shapes: prefix and Δ
-    ``[b, g, r, q]``, ``G [b, g, q, q]``, ``dW`` and W ``[b, g, r, q, q]``. A float32 CPU chunk goes
-    through :mod:`.torch_kernels`' one-pass kernel where :func:`.torch_kernels.ready`; these torch
-    ops are the reference it is tested against."""
-    b, g, r, q = delta.shape
-    if dW.dtype == torch.float32 and dW.device.type == "cpu" and torch_kernels.ready():
-        W, dG, ddelta, dacs = torch_kernels.scan_diagonal_block(
-            prefix.reshape(b * g, r, q), G.reshape(b * g, q, q), dW.reshape(b * g, r, q, q),
-            delta.reshape(b * g, r, q), floor)  # [m = b·g, r, ...]
-        return W.view(b, g, r, q, q), dG.view(b, g, q, q), ddelta.view(b, g, r, q), dacs.view(b, g, r, q)
+    ``[b, g, r, q]``, ``G [b, g, q, q]``, ``dW`` and W ``[b, g, r, q, q]``."""
+    q = delta.shape[-1]
     L = (prefix[..., :, None] - prefix[..., None, :]).to(dW.dtype)  # [b, g, r, q, q]
     L.clamp_(min=floor).add_(torch.triu(dW.new_full((q, q), -torch.inf), 1)).exp_()  # 0 above the diagonal
     G = G[:, :, None]  # [b, g, 1, q, q]
@@ -57,6 +50,12 @@ def diagonal_block(prefix: torch.Tensor, G: torch.Tensor, dW: torch.Tensor, delt
     return L, dG, ddelta, dacs
 
 
+def _kernel_takes(x: torch.Tensor) -> bool:
+    """Whether :func:`ssd_chunked_grad` of ``x``'s scan runs :func:`.torch_kernels.scan_backward`: a
+    float32 CPU tensor, where the kernels are built."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and torch_kernels.ready()
+
+
 def ssd_chunked_grad(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                      chunk_size: int, initial_states: torch.Tensor | None, D: torch.Tensor | None,
                      dy: torch.Tensor, dfinal: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -64,7 +63,12 @@ def ssd_chunked_grad(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     ``sum(dy·y) + sum(dfinal·final)`` for ``(y, final) = ssd_chunked_ref(x, dt, A, B, C, chunk_size,
     initial_states, D=D)`` (no ``seq_idx``). Shapes as the reference: ``x, dy [b, l, h, p]``, Δ
     ``[b, l, h]``, A ``[h]``, ``B, C [b, l, g, n]``, D ``[h]``, ``[h, p]`` or None, initial_states
-    ``[b, h, p, n]`` or None, dfinal ``[b, h, p, n]``; one float dtype; no autograd recording."""
+    ``[b, h, p, n]`` or None, dfinal ``[b, h, p, n]``; one float dtype; no autograd recording.
+    Float32 CPU tensors go through :mod:`.torch_kernels`' C++ backward
+    (:func:`.torch_kernels.scan_backward`, the same steps in one pass per block of heads) where
+    :func:`.torch_kernels.ready`; the torch ops below are the reference it is tested against."""
+    if _kernel_takes(x):
+        return torch_kernels.scan_backward(x, dt, A, B, C, D, initial_states, dy, dfinal, chunk_size)
     b, l, h, p = x.shape
     g, n = B.shape[-2:]
     r = h // g

@@ -1,10 +1,12 @@
 """Side by side in one process: a training step (forward + backward of ``mean(y²)``) of one
 mamba2-130m-shaped layer on the torch backend with its CPU kernels (:mod:`portable_ssm.backends.
-torch_kernels`: the conv, the gated norm and the scan backward's diagonal blocks) and without them
+torch_kernels`: the conv, the gated norm, the scan and its backward) and without them
 (``PORTABLE_SSM_CPU_KERNELS=0`` between turns), as ``benchmarks/run.py``'s training rows call it;
 ``--only-norm``: without the norm kernel alone (torch's ops take the norms, the other kernels
 stay); ``--only-scan-op``: without the ``portable_ssm::ssd_scan`` op alone (autograd of the reference
-scan takes the scan); ``--forward``: the inference forward instead of the training step;
+scan takes the scan); ``--only-scan-backward``: without the scan backward's kernel alone (the op's
+backward in torch ops, ``portable_ssm.backends.torch_scan``); ``--forward``: the inference forward
+instead of the training step;
 ``--config seed --batch 8 --length 60``: the benchmark's seed shape instead of the 130m layer.
 
 Rounds alternate the two (2 steps each in turn), so both share the machine's load; it prints
@@ -13,6 +15,7 @@ medians and their ratio. Tooling, not a test: nothing is asserted.
     python benchmarks/train_kernels_ab.py --threads 2 --length 2048 --rounds 10
     python benchmarks/train_kernels_ab.py --threads 2 --length 2048 --rounds 10 --only-norm
     python benchmarks/train_kernels_ab.py --threads 2 --length 512 --rounds 10 --only-scan-op
+    python benchmarks/train_kernels_ab.py --threads 2 --length 2048 --rounds 10 --only-scan-backward
 """
 
 from __future__ import annotations
@@ -39,12 +42,14 @@ def main() -> None:
     which.add_argument("--only-norm", action="store_true", help="turn off the gated norm's kernel alone")
     which.add_argument("--only-scan-op", action="store_true",
                        help="turn off the scan op alone (autograd of the reference scan)")
+    which.add_argument("--only-scan-backward", action="store_true",
+                       help="turn off the scan backward's kernel alone (the op's backward in torch ops)")
     parser.add_argument("--forward", action="store_true", help="time the inference forward, not a training step")
     args = parser.parse_args()
 
     import torch
     from portable_ssm.backends import torch as backend
-    from portable_ssm.backends import torch_kernels
+    from portable_ssm.backends import torch_kernels, torch_scan
 
     import portable_ssm as ps
     from portable_ssm.bench.calls import forward_fn
@@ -62,16 +67,17 @@ def main() -> None:
 
     @contextlib.contextmanager
     def without_kernels() -> Iterator[None]:
-        """All the kernels off (the environment variable), or with --only-norm (--only-scan-op) the
-        norm's kernel (the scan op) alone."""
-        if args.only_norm or args.only_scan_op:
-            name = "_takes_norm_kernel" if args.only_norm else "_scan_op_takes"
-            taken = getattr(backend, name)
-            setattr(backend, name, lambda *tensors: False)
+        """All the kernels off (the environment variable), or with --only-norm (--only-scan-op,
+        --only-scan-backward) the norm's kernel (the scan op, the scan backward's kernel) alone."""
+        if args.only_norm or args.only_scan_op or args.only_scan_backward:
+            module, name = ((backend, "_takes_norm_kernel") if args.only_norm else (backend, "_scan_op_takes")
+                            if args.only_scan_op else (torch_scan, "_kernel_takes"))
+            taken = getattr(module, name)
+            setattr(module, name, lambda *tensors: False)
             try:
                 yield
             finally:
-                setattr(backend, name, taken)
+                setattr(module, name, taken)
             return
         before = os.environ.get(torch_kernels.ENV)
         os.environ[torch_kernels.ENV] = "0"
@@ -83,7 +89,8 @@ def main() -> None:
             else:
                 os.environ[torch_kernels.ENV] = before
 
-    other = "without the norm's" if args.only_norm else "without the scan op" if args.only_scan_op else "torch ops"
+    other = ("without the norm's" if args.only_norm else "without the scan op" if args.only_scan_op
+             else "backward in torch ops" if args.only_scan_backward else "torch ops")
     first = "with the scan op" if args.only_scan_op else "kernels"
     paths = {first: contextlib.nullcontext, other: without_kernels}
     times: dict[str, list[float]] = {path: [] for path in paths}

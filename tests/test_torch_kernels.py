@@ -1,10 +1,10 @@
 """The torch backend's CPU kernels (backends/torch_kernels.py): one decode row times a float32,
 int8 or bfloat16 weight equals the reference product, the fused decode step equals
 ``decode_step_ref``, the whole-model batch-1 step equals the array-API stack, the training conv
-equals autograd of the array-API conv, the norm autograd of the float64 reference and the
-training scan's diagonal block its torch ops, the conv and norm ops differentiated twice give
-torch's second derivatives, the chunked scan's kernel the float64 reference (a non-finite input
-kept from the steps before it, bit for bit), eager and compiled decode call them (compiled graphs without a
+equals autograd of the array-API conv, the norm autograd of the float64 reference, the conv and
+norm ops differentiated twice give torch's second derivatives, the chunked scan's kernel the float64
+reference (a non-finite input kept from the steps before it, bit for bit) and its backward kernel the
+torch ops' backward in float64, eager and compiled decode call them (compiled graphs without a
 break), autograd and other shapes and dtypes keep torch's kernels and the array-API step, and a
 failed build or ``PORTABLE_SSM_CPU_KERNELS=0`` leaves everything on them with one warning."""
 
@@ -189,54 +189,6 @@ def test_fused_decode_step_refuses_inconsistent_shapes(kernel):
         kernel.decode_step(**{**args, "ssm_state": args["ssm_state"][0]})
 
 
-def _diagonal_args(seed: int, *, b: int, g: int, r: int, q: int, rate: float) -> tuple[torch.Tensor, ...]:
-    """One chunk's diagonal-block inputs: float64 prefix sums of A·Δ (steps of about -rate each),
-    G, dW = dy xᵀ and Δ in float32."""
-    rng = np.random.default_rng(seed)
-    steps = -rate * rng.uniform(0.0, 2.0, (b, g, r, q))
-    prefix = torch.from_numpy(np.cumsum(steps, axis=-1))
-
-    def t(*shape: int) -> torch.Tensor:
-        return torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
-
-    delta = torch.from_numpy(rng.uniform(0.01, 1.0, (b, g, r, q)).astype(np.float32))
-    return prefix, t(b, g, q, q), t(b, g, r, q, q), delta
-
-
-@requires_kernel
-@pytest.mark.parametrize(("b", "g", "r", "q", "rate"), [
-    (1, 1, 24, 64, 0.05),  # a 130m layer's chunk
-    (2, 3, 2, 13, 0.3),  # batch and groups, the 8-wide loop and its tail
-    (1, 2, 3, 5, 0.1),  # q below one vector: the scalar loop only
-    (1, 1, 4, 40, 4.0),  # decays past the floor: the clamp
-])
-def test_scan_diagonal_block_kernel_equals_the_torch_ops(kernel, monkeypatch, b, g, r, q, rate):
-    from portable_ssm.backends import torch_scan
-
-    args = _diagonal_args(3, b=b, g=g, r=r, q=q, rate=rate)
-    floor = ps.ssd.decay_floor(torch.float32, xp=backend.xp)
-    got = torch_scan.diagonal_block(*args, floor)
-    monkeypatch.setattr(torch_kernels, "ready", lambda: False)
-    want = torch_scan.diagonal_block(*args, floor)
-    exact = torch_scan.diagonal_block(*(a.double() for a in args), floor)  # the torch ops in float64
-    for name, g_, w, e in zip(("W", "dG", "ddelta", "dacs"), got, want, exact):
-        assert g_.dtype == torch.float32 and g_.shape == w.shape, name
-        # d acs is a difference of row and column sums: both float32 paths round it to a few 1e-7
-        assert rel_err(g_.numpy(), e.numpy()) < 1e-6 and rel_err(g_.numpy(), w.numpy()) < 2e-6, name
-    assert not bool(got[0].triu(1).any())  # W is 0 above the diagonal
-
-
-@requires_kernel
-def test_scan_diagonal_block_kernel_refuses_other_dtypes_and_shapes(kernel):
-    prefix, G, dW, delta = (a.reshape(-1, *a.shape[2:]) for a in _diagonal_args(0, b=1, g=2, r=3, q=5, rate=0.1))
-    with pytest.raises(RuntimeError, match="prefix must be a contiguous float64"):
-        kernel.scan_diagonal_block(prefix.float(), G, dW, delta, -40.0)
-    with pytest.raises(RuntimeError, match="scan_diagonal_block: shapes do not match"):
-        kernel.scan_diagonal_block(prefix, G[:, 1:], dW, delta, -40.0)
-    with pytest.raises(RuntimeError, match="dW must be a contiguous float32"):
-        kernel.scan_diagonal_block(prefix, G, dW.double(), delta, -40.0)
-
-
 def _refuse_kernel(monkeypatch, name: str, change: str) -> None:
     """``torch_kernels.<name>`` fails the test if called; ``change`` "kernels off" also turns the
     kernels off through the environment variable."""
@@ -404,6 +356,118 @@ def test_scan_kernel_refuses_shapes_it_does_not_take(kernel):
         op(x, dt, A, B, C, D, initial[..., :5], 64, -40.0, 2, False)
     with pytest.raises(RuntimeError, match="chunk and block must be positive"):
         op(x, dt, A, B, C, D, initial, 0, -40.0, 2, False)
+
+
+def _scan_backward_args(seed: int, **shape) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor, torch.Tensor]:
+    """:func:`_scan_args`' inputs with the incoming gradients ``dy [b, l, h, p]`` and ``dfinal [b, h, p, n]``."""
+    args = _scan_args(seed, **shape)
+    rng = np.random.default_rng(seed + 100)
+    b, l, h, p = args[0].shape
+    dy = torch.from_numpy(rng.standard_normal((b, l, h, p)).astype(np.float32))
+    dfinal = torch.from_numpy(rng.standard_normal((b, h, p, args[3].shape[-1])).astype(np.float32))
+    return args, dy, dfinal
+
+
+def _torch_ops_scan_grads(monkeypatch, args, dy, dfinal, chunk_size):
+    """``torch_scan.ssd_chunked_grad`` in torch ops (the kernel refused) in the inputs' dtype."""
+    from portable_ssm.backends import torch_scan
+
+    x, dt, A, B, C, D, initial = args
+    with monkeypatch.context() as patch:
+        patch.setattr(torch_scan, "_kernel_takes", lambda x: False)
+        return torch_scan.ssd_chunked_grad(x, dt, A, B, C, chunk_size, initial, D, dy, dfinal)
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+_GRAD_NAMES = ("dx", "ddt", "dA", "dB", "dC", "dD", "d_initial")
+
+
+def _assert_scan_grads_close(got, monkeypatch, args, dy, dfinal, chunk_size):
+    """``got`` (the kernel's gradients) within float32 rounding of the torch ops' in float64: dA, a
+    sum over every step, to 2e-5, the others to 2e-6 (the torch ops in float32 come as close)."""
+    exact = _torch_ops_scan_grads(monkeypatch, tuple(None if a is None else a.double() for a in args), dy.double(),
+                                  dfinal.double(), chunk_size)
+    for name, g, e in zip(_GRAD_NAMES, got, exact):
+        assert (g is None) == (e is None), name
+        if g is not None:
+            assert g.dtype == torch.float32 and g.shape == e.shape, name
+            assert rel_err(g.numpy(), e.numpy()) < (2e-5 if name == "dA" else 2e-6), name
+
+
+@requires_kernel
+@pytest.mark.parametrize(("b", "l", "h", "p", "g", "n", "Q", "D", "initial", "sliced"), [
+    (1, 2048, 24, 64, 1, 128, 64, "per head", False, True),  # a 130m layer at l=2048, x, B, C read in place
+    (2, 300, 6, 16, 2, 8, 64, "per channel", True, False),  # batch (its rows at once), groups, a short last chunk
+    (1, 50, 4, 13, 1, 5, 64, "none", False, True),  # one chunk shorter than Q; p below and past one vector
+    (3, 257, 8, 24, 4, 16, 32, "per head", True, True),  # Q=32, 9 chunks, the last of one step
+    (1, 1, 2, 8, 1, 4, 64, "per channel", True, False),  # one step
+])
+def test_scan_backward_kernel_gives_the_float64_gradients(kernel, monkeypatch, b, l, h, p, g, n, Q, D, initial,
+                                                           sliced):
+    args, dy, dfinal = _scan_backward_args(7, b=b, l=l, h=h, p=p, g=g, n=n, D=D, initial=initial, sliced=sliced)
+    with _threads(2):  # items of one head block on two threads at once
+        got = kernel.scan_backward(*args, dy, dfinal, Q)
+    _assert_scan_grads_close(got, monkeypatch, args, dy, dfinal, Q)
+
+
+@requires_kernel
+def test_scan_backward_kernel_gives_the_gradients_for_every_block_of_heads(kernel, monkeypatch):
+    args, dy, dfinal = _scan_backward_args(2, b=2, l=200, h=12, p=16, g=2, n=8, D="per head", initial=True)
+    for block in (1, 2, 5, 6):  # several blocks a group: their dB and dC summed
+        monkeypatch.setattr(torch_kernels, "SCAN_HEAD_BLOCK", block)
+        with _threads(3):
+            got = kernel.scan_backward(*args, dy, dfinal, 64)
+        _assert_scan_grads_close(got, monkeypatch, args, dy, dfinal, 64)
+
+
+@requires_kernel
+@pytest.mark.parametrize(("b", "l"), [(0, 10), (2, 0)])
+def test_scan_backward_kernel_takes_an_empty_batch_or_sequence(kernel, b, l):
+    args, dy, dfinal = _scan_backward_args(1, b=b, l=l, h=4, p=8, g=2, n=6, D="per head", initial=True)
+    dx, ddt, dA, dB, dC, dD, d_initial = kernel.scan_backward(*args, dy, dfinal, 64)
+    assert dx.shape == (b, l, 4, 8) and ddt.shape == (b, l, 4) and dB.shape == dC.shape == (b, l, 2, 6)
+    assert torch.equal(d_initial, dfinal)  # no step: the leaving state is the initial one
+    assert not bool(dA.any()) and not bool(dD.any())
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_training_scan_backward_runs_the_kernel_in_float32_and_the_torch_ops_in_float64(kernel, monkeypatch,
+                                                                                        dtype):
+    """The scan op's backward takes the kernel for float32 tensors, the torch ops for float64 (the
+    gradients of both against autograd of the reference: tests/test_gradients.py)."""
+    calls = []
+    real = torch_kernels.scan_backward
+    monkeypatch.setattr(torch_kernels, "scan_backward", lambda *a: calls.append(1) or real(*a))
+    x, dt, A, B, C, D, initial = (None if a is None else a.to(dtype).requires_grad_()
+                                  for a in _scan_args(3, b=1, l=70, h=4, p=8, g=1, n=6, D="per head", initial=True))
+    y, final = backend.ssd_chunked(x, dt, A, B, C, None, initial, D=D)
+    (y.square().sum() + final.sum()).backward()
+    assert calls == ([1] if dtype == torch.float32 else [])
+    assert all(t.grad is not None and bool(torch.isfinite(t.grad).all()) for t in (x, dt, A, B, C, D, initial))
+
+
+@requires_kernel
+def test_scan_backward_kernel_refuses_shapes_it_does_not_take(kernel):
+    args, dy, dfinal = _scan_backward_args(0, b=1, l=10, h=4, p=8, g=2, n=6, D="per head", initial=True)
+    op = torch.ops.portable_ssm_cpu.scan_backward
+    with pytest.raises(RuntimeError, match="scan_backward: x must be a float32"):
+        op(args[0].double(), *args[1:], dy, dfinal, 64, -40.0, 2)
+    with pytest.raises(RuntimeError, match="scan_backward: dy must be a contiguous float32"):
+        op(*args, dy[:, :5], dfinal, 64, -40.0, 2)
+    with pytest.raises(RuntimeError, match="scan_backward: dfinal must be a contiguous float32 .b, h, p, n."):
+        op(*args, dy, dfinal[..., :5], 64, -40.0, 2)
+    with pytest.raises(RuntimeError, match="scan_backward: chunk and block must be positive"):
+        op(*args, dy, dfinal, 64, -40.0, 0)
 
 
 def _conv_leaves(seed: int, *, b: int, l: int, d: int, k: int, bias: bool, state: bool,
