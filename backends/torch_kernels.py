@@ -777,7 +777,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         const at::Tensor Bc = Bc_at(t0, q), Cc = Cc_at(t0, q);
         const at::Tensor xb = at::from_blob(const_cast<float*>(xc), {bw, q, p}, {p, xl, 1}, opts);
         const at::Tensor dyb = at::from_blob(const_cast<float*>(dyc), {bw, q, p}, {p, h * p, 1}, opts);
-        const at::Tensor St = at::from_blob(const_cast<float*>(S), {n, wide}, opts);
         const at::Tensor dSt = at::from_blob(dS.data(), {n, wide}, opts);
         at::Tensor Gt = at::from_blob(G.data(), {q, q}, opts), dGt = at::from_blob(dG.data(), {q, q}, opts);
         at::Tensor dBct = at::from_blob(dBc.data(), {q, n}, opts), dCct = at::from_blob(dCc.data(), {q, n}, opts);
