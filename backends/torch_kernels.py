@@ -74,8 +74,7 @@ import torch
 
 from portable_ssm import ssd
 
-#: The environment variable that turns the kernels off (``0``); anything else leaves them on.
-ENV = "PORTABLE_SSM_CPU_KERNELS"
+from .cpu_source import ENV, SHARED, SIMD_FLAGS
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -92,75 +91,7 @@ SOURCE = r"""
 #include <type_traits>
 
 namespace {
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// sum_i a[i] * b[i] over n floats in cache: two accumulators of eight lanes, then the tail.
-inline float inner(const float* a, const float* b, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-  }
-  for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-  float total = horizontal_sum(_mm256_add_ps(s0, s1));
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
-// The eight float32 weights at w + i, widened from the storage type.
-inline __m256 widen8(const float* w, int64_t i) { return _mm256_loadu_ps(w + i); }
-inline __m256 widen8(const int8_t* w, int64_t i) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i))));
-}
-inline __m256 widen8(const uint16_t* w, int64_t i) {  // bfloat16 bits: the high half of a float32
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline float widen1(float w) { return w; }
-inline float widen1(int8_t w) { return static_cast<float>(w); }
-inline float widen1(uint16_t w) {
-  uint32_t bits = static_cast<uint32_t>(w) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-// Bytes of weights each thread asks for ahead of its loads (software prefetch into every cache
-// level): the hardware prefetchers stop at each 4 KiB page's end and restart late in the next one,
-// so a stream of weight rows read only by them runs below the machine's streaming read.
-constexpr int64_t kAheadBytes = 4096;
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-
-// sum_i w[i] * x[i] over n elements: four accumulators of eight lanes, then the tail; the lines
-// kAheadBytes past each step's 32 weights are prefetched (past the row's end they are the next
-// row's, which the caller reads next).
-template <typename T>
-inline float dot(const T* w, const float* x, int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  const char* ahead = reinterpret_cast<const char*>(w) + kAheadBytes;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    for (int64_t line = 0; line < 32 * static_cast<int64_t>(sizeof(T)); line += 64) {
-      prefetch(ahead + i * sizeof(T) + line);
-    }
-    a0 = _mm256_fmadd_ps(widen8(w, i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(widen8(w, i + 8), _mm256_loadu_ps(x + i + 8), a1);
-    a2 = _mm256_fmadd_ps(widen8(w, i + 16), _mm256_loadu_ps(x + i + 16), a2);
-    a3 = _mm256_fmadd_ps(widen8(w, i + 24), _mm256_loadu_ps(x + i + 24), a3);
-  }
-  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(widen8(w, i), _mm256_loadu_ps(x + i), a0);
-  float total = horizontal_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; i < n; ++i) total += widen1(w[i]) * x[i];
-  return total;
-}
-
+""" + SHARED + r"""
 // sum_i w[r·n + i] * x[i] for four consecutive float32 weight rows r at once, into out[r]: each
 // load of x feeds four rows' FMAs and four weight streams are in flight; two accumulators of eight
 // lanes per row, then the tail. Each stream prefetches a quarter of kAheadBytes ahead, into the
@@ -222,31 +153,6 @@ at::Tensor row_gemv(const at::Tensor& row, const at::Tensor& weight, const c10::
   }
   return y;
 }
-
-// exp(v) for eight floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial; relative
-// error about 2e-7); inputs clamped to ±88.38, where float32's exp under- or overflows.
-inline __m256 exp8(__m256 v) {
-  v = _mm256_max_ps(_mm256_min_ps(v, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
-  const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  v = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
-  v = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), v);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(v, v), v), _mm256_set1_ps(1.0f));
-  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(two_k));
-}
-inline __m256 sigmoid8(__m256 v) {  // 1 / (1 + exp(-v))
-  const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), v))));
-}
-inline __m256 silu8(__m256 v) { return _mm256_mul_ps(v, sigmoid8(v)); }  // a NaN stays NaN through the product
-inline float silu1(float v) { return v / (1.0f + std::exp(-v)); }
-inline float softplus1(float v) { return 0.5f * (v + std::fabs(v)) + std::log1p(std::exp(-std::fabs(v))); }
 
 // A tensor whose last two axes are packed (rows of size(-2)·size(-1) contiguous floats), its
 // leading axes at any stride: a slice of in_proj's output, read in place.
@@ -884,75 +790,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
           z.initial == nullptr ? at::empty({0}, f32) : dinit};
 }
 
-// The causal depthwise conv and SiLU of a training forward, and its backward, V's lanes of channels
-// at a time (Lanes8: eight in a vector; Lanes1: one): xp = [history; x] is the row's input with the
-// k-1 steps before it, y_t = silu(bias + Σ_j w_j xp_{t+j}). Tensors are one row's
-// [steps, d] (history [k-1, d]); taps [k, d] (the weight transposed).
-struct Lanes8 {
-  using T = __m256;
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-  static T zero() { return _mm256_setzero_ps(); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-  static T one() { return _mm256_set1_ps(1.0f); }
-  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
-  static T sigmoid(T v) { return sigmoid8(v); }
-  static T set(float v) { return _mm256_set1_ps(v); }
-};
-struct Lanes1 {
-  using T = float;
-  static T load(const float* p) { return *p; }
-  static void store(float* p, T v) { *p = v; }
-  static T zero() { return 0.f; }
-  static T fma(T a, T b, T c) { return a * b + c; }
-  static T add(T a, T b) { return a + b; }
-  static T mul(T a, T b) { return a * b; }
-  static T one() { return 1.f; }
-  static T sub(T a, T b) { return a - b; }
-  static T sigmoid(T v) { return 1.f / (1.f + std::exp(-v)); }
-  static T set(float v) { return v; }
-};
-
-struct ConvRow {  // one row's tensors and sizes; row(P) is xp's step P (x's steps xs floats apart)
-  const float *x, *history, *taps, *bias;
-  int64_t l, d, k, xs;
-  const float* row(int64_t P) const { return P < k - 1 ? history + P * d : x + (P - k + 1) * xs; }
-};
-
-template <typename V>
-inline typename V::T conv_pre(const ConvRow& r, int64_t t, int64_t c) {  // bias + Σ_j w_j xp_{t+j}
-  typename V::T acc = r.bias == nullptr ? V::zero() : V::load(r.bias + c);
-  for (int64_t j = 0; j < r.k; ++j) acc = V::fma(V::load(r.taps + j * r.d + c), V::load(r.row(t + j) + c), acc);
-  return acc;
-}
-
-// The backward's threads take 64 channels at a time (four cache lines of each step), walking the
-// steps d floats apart, across the 4 KiB pages within which the hardware prefetchers work: so each
-// step's lines are prefetched kConvAhead steps ahead.
-constexpr int64_t kConvBlock = 64;
-constexpr int64_t kConvAhead = 16;
-
-// The lines of channels [c0, c1) of step t of a [steps, d] tensor whose steps are stride floats
-// apart, into the caches.
-inline void prefetch_step(const float* base, int64_t t, int64_t steps, int64_t stride, int64_t c0, int64_t c1) {
-  if (t < steps) {
-    for (int64_t c = c0; c < c1; c += 16) prefetch(base + t * stride + c);
-  }
-}
-
-// Channels [c0, c1) of steps [t0, t1), V::width at a time.
-template <typename V>
-void conv_silu_lanes(const ConvRow& r, float* y, int64_t t0, int64_t t1, int64_t c0, int64_t c1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t c = c0; c < c1; c += sizeof(typename V::T) / sizeof(float)) {
-      const typename V::T pre = conv_pre<V>(r, t, c);
-      V::store(y + t * r.d + c, V::mul(pre, V::sigmoid(pre)));
-    }
-  }
-}
-
 // Channels [c0, c1) of the backward, one pass over the steps: g_t = dy_t·silu'(pre_t) (the last
 // ones in the ring g [ring, kConvBlock], ring a power of two >= k, channel c at c - base), Σ_t g_t
 // into db, Σ_t g_t xp_{t+j} into dtaps[j], and dxp_P = Σ_j w_j g_{P-j} into dhistory (P < k-1) or
@@ -1020,13 +857,10 @@ at::Tensor conv_silu(const at::Tensor& x, const at::Tensor& taps, const c10::opt
   const int64_t b = x.size(0), l = x.size(1), d = x.size(2);
   at::Tensor y = at::empty({b, l, d}, x.options());
   float* yp = y.data_ptr<float>();
-  const int64_t split = d / 8 * 8;  // eight channels a vector, then one at a time
   at::parallel_for(0, b * l, 16, [&](int64_t begin, int64_t end) {  // steps in order: each row read once
     for (int64_t row = begin / l; row * l < end; ++row) {
-      const ConvRow r = conv_row(x, taps, bias, history, row);
-      const int64_t t0 = std::max(begin - row * l, int64_t{0}), t1 = std::min(end - row * l, l);
-      conv_silu_lanes<Lanes8>(r, yp + row * l * d, t0, t1, 0, split);
-      conv_silu_lanes<Lanes1>(r, yp + row * l * d, t0, t1, split, d);
+      conv_silu_steps(conv_row(x, taps, bias, history, row), yp + row * l * d, std::max(begin - row * l, int64_t{0}),
+                      std::min(end - row * l, l));
     }
   });
   return y;
@@ -1087,39 +921,6 @@ inline void check_norm(const at::Tensor& y, const c10::optional<at::Tensor>& z, 
               y.size(1), "] and groups (", groups, ") must divide it, got weight ", weight.sizes());
 }
 
-// v[c] = y[c]·silu(z[c]) over [c0, c1) (z == nullptr: y[c]); also s[c] = sigmoid(z[c]) where s != nullptr.
-template <typename V>
-void gate_lanes(const float* y, const float* z, float* v, float* s, int64_t c0, int64_t c1) {
-  for (int64_t c = c0; c < c1; c += sizeof(typename V::T) / sizeof(float)) {
-    if (z == nullptr) {
-      V::store(v + c, V::load(y + c));
-      continue;
-    }
-    const typename V::T zc = V::load(z + c), sc = V::sigmoid(zc);
-    if (s != nullptr) V::store(s + c, sc);
-    V::store(v + c, V::mul(V::load(y + c), V::mul(zc, sc)));
-  }
-}
-
-inline void gate_row(const float* y, const float* z, float* v, float* s, int64_t d) {
-  const int64_t split = d / 8 * 8;
-  gate_lanes<Lanes8>(y, z, v, s, 0, split);
-  gate_lanes<Lanes1>(y, z, v, s, split, d);
-}
-
-// 1 / sqrt(mean(v²) + eps) over v's m channels.
-inline float inverse_rms(const float* v, int64_t m, double eps) {
-  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(dot(v, v, m)) / static_cast<double>(m) + eps));
-}
-
-template <typename V>
-void scale_lanes(const float* v, const float* w, float r, float* out, int64_t c0, int64_t c1) {
-  const typename V::T rv = V::set(r);
-  for (int64_t c = c0; c < c1; c += sizeof(typename V::T) / sizeof(float)) {
-    V::store(out + c, V::mul(V::load(w + c), V::mul(V::load(v + c), rv)));
-  }
-}
-
 // out [rows, d] = gated_rms_norm(y, z) ⊙ weight.
 at::Tensor gated_rms_norm(const at::Tensor& y, const c10::optional<at::Tensor>& z, const at::Tensor& weight,
                           int64_t groups, double eps) {
@@ -1131,16 +932,7 @@ at::Tensor gated_rms_norm(const at::Tensor& y, const c10::optional<at::Tensor>& 
   const float* w = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> v(d);
-    for (int64_t i = begin; i < end; ++i) {
-      gate_row(yp + i * ys, zp == nullptr ? nullptr : zp + i * zs, v.data(), nullptr, d);
-      for (int64_t start = 0; start < d; start += m) {
-        const float r = inverse_rms(v.data() + start, m, eps);
-        const int64_t split = start + m / 8 * 8;
-        scale_lanes<Lanes8>(v.data(), w, r, op + i * d, start, split);
-        scale_lanes<Lanes1>(v.data(), w, r, op + i * d, split, start + m);
-      }
-    }
+    norm_rows(yp, ys, zp, zs, w, op, d, m, eps, begin, end);
   });
   return out;
 }
@@ -1317,7 +1109,7 @@ TORCH_LIBRARY_IMPL(portable_ssm_cpu, CPU, m) {
 
 #: The compiler's flags: AVX2 and FMA code; OpenMP, so ``at::parallel_for`` splits the rows over
 #: torch's threads (the symbols resolve to the OpenMP runtime torch has loaded; none is linked).
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
+CFLAGS = (*SIMD_FLAGS, "-fopenmp")
 #: Weight dtypes the kernel reads.
 WEIGHT_DTYPES = (torch.float32, torch.int8, torch.bfloat16)
 

@@ -119,6 +119,20 @@ def xp(request: pytest.FixtureRequest) -> Backend:
     return Backend(request.param, name, device)
 
 
+@pytest.fixture(params=["ufuncs", "kernels"])
+def numpy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which of NumPy's native paths a test runs: its ufuncs (the compiled kernels turned off) or its
+    compiled kernels (``portable_ssm.backends.numpy.kernels``; skipped where they cannot be used)."""
+    from portable_ssm.backends.cpu_source import ENV
+    from portable_ssm.backends.numpy import kernels
+
+    if request.param == "ufuncs":
+        monkeypatch.setenv(ENV, "0")
+    elif kernels.library() is None:
+        pytest.skip("NumPy's CPU kernels: not usable here (an x86-64 CPU with AVX2 and FMA and a C++ compiler)")
+    return request.param
+
+
 @pytest.fixture(params=["float32", "float64"])
 def dtype(request: pytest.FixtureRequest) -> str:
     return request.param

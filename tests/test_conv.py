@@ -146,7 +146,7 @@ def test_numpy_tiled_conv_agrees_with_the_reference(with_state, dtype, l, monkey
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("l,k", [(1, 4), (2, 4), (33, 4), (75, 4), (40, 9)])
-def test_numpy_fused_conv_silu_agrees_with_the_conv_then_silu(with_state, dtype, l, k, monkeypatch):
+def test_numpy_fused_conv_silu_agrees_with_the_conv_then_silu(with_state, dtype, l, k, numpy_path, monkeypatch):
     import array_api_compat.numpy as nxp
     from portable_ssm.backends import fast_op
     from portable_ssm.backends.numpy import ops
@@ -168,9 +168,11 @@ def test_numpy_fused_conv_silu_agrees_with_the_conv_then_silu(with_state, dtype,
     np.testing.assert_array_equal(x, x_before)
 
 
-def test_numpy_fused_conv_silu_is_silent_and_exact_where_exp_overflows():
+def test_numpy_fused_conv_silu_is_silent_and_exact_where_exp_overflows(numpy_path):
     """NumPy's SiLU is ``y / (1 + exp(-y))``: for y below -88 exp overflows to inf and the result
-    must be SiLU's limit (minus) zero, with no overflow warning, like the reference's."""
+    must be SiLU's limit (minus) zero, with no overflow warning, like the reference's. The conv sums
+    terms of about 1e4 there, so its rounding is bounded by the sum of the terms' magnitudes (the
+    compiled kernel adds them in another order than the reference)."""
     import warnings
 
     import array_api_compat.numpy as nxp
@@ -185,8 +187,10 @@ def test_numpy_fused_conv_silu_is_silent_and_exact_where_exp_overflows():
         y, _ = fast_op(nxp, "causal_conv1d_silu")(x, w, bias, None)
     y_ref, _ = causal_conv1d_ref(x, w, bias, None, xp=nxp)
     want = silu(y_ref, xp=nxp)
+    magnitude, _ = causal_conv1d_ref(np.abs(x), np.abs(w), np.abs(bias), None, xp=nxp)  # Σ |terms|
     assert np.isfinite(y).all() and (y_ref < -88).any()
-    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+    assert (np.abs(y - want) <= 1e-6 + 1e-6 * np.abs(want) + 1e-6 * magnitude).all()
+    np.testing.assert_array_equal(y[y_ref < -88], 0.0)
 
 
 def test_conv_silu_equals_conv_then_silu_on_every_backend(xp):

@@ -40,7 +40,7 @@ def test_rms_norm_is_the_ungated_norm_of_one_group(xp, dtype):
 @pytest.mark.parametrize("rows", [1, 31, 32, 33, 100])
 @pytest.mark.parametrize(("groups", "gated"), [(1, True), (3, True), (1, False)])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
-def test_numpy_tiled_norm_agrees_with_the_reference(rows, groups, gated, dtype, monkeypatch):
+def test_numpy_tiled_norm_agrees_with_the_reference(rows, groups, gated, dtype, numpy_path, monkeypatch):
     import array_api_compat.numpy as nxp
     from portable_ssm.backends import fast_op
     from portable_ssm.backends.numpy import ops
@@ -61,7 +61,7 @@ def test_numpy_tiled_norm_agrees_with_the_reference(rows, groups, gated, dtype, 
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_numpy_tiled_norm_gates_very_negative_z_to_zero_without_overflow_warnings(dtype):
+def test_numpy_tiled_norm_gates_very_negative_z_to_zero_without_overflow_warnings(dtype, numpy_path):
     """NumPy's gate is ``z / (1 + exp(-z))``: exp overflows to inf below -88 (float32) or -709
     (float64), and the gate must then be SiLU's limit 0, silently, as the reference's."""
     import warnings

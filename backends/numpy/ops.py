@@ -4,8 +4,10 @@ They do what the array-API core cannot: update buffers in place and work tile by
 by chunk), so that every pass over an intermediate reads it from cache rather than memory.
 
 - :func:`causal_conv1d`, :func:`causal_conv1d_silu`: the conv in tiles of about TILE_ELEMENTS
-  elements, SiLU applied to each tile while it is in cache;
-- :func:`gated_rms_norm`: the gated (or plain) RMSNorm in tiles of about TILE_ELEMENTS elements;
+  elements, SiLU applied to each tile while it is in cache (in float32 with SiLU, the compiled
+  kernel of :mod:`.kernels` where it is usable: one pass);
+- :func:`gated_rms_norm`: the gated (or plain) RMSNorm in tiles of about TILE_ELEMENTS elements (in
+  float32, :mod:`.kernels`' one pass where it is usable);
 - :func:`ssd_chunked`: the chunked scan as a loop over groups of SCAN_GROUP_CHUNKS chunks, heads in
   blocks of SCAN_HEAD_BLOCK;
 - :func:`pass_states`: the reference scan's state passing in place (used with ``seq_idx``, which
@@ -22,6 +24,7 @@ import numpy as np
 from portable_ssm import ssd
 from portable_ssm._array import compute_dtype
 
+from . import kernels
 from .threads import row_ranges, run_all, workers
 
 #: Elements per tile of the native conv (``[b, steps, d]``) and gated RMSNorm (``[rows, d]``), at
@@ -71,6 +74,10 @@ def _conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, state: np.
     else:
         history = np.swapaxes(state[:, :, 1:], 1, 2).astype(x.dtype, copy=False)  # [b, k-1, d]
     taps = np.ascontiguousarray(weight.T)  # [k, d]
+    last = np.concatenate([history, x[:, max(l - k, 0):]], axis=1)[:, -k:]  # the last k inputs, [b, k, d]
+    fused = kernels.conv_silu(x, taps, bias, history) if activate else None
+    if fused is not None:
+        return fused, np.swapaxes(last, 1, 2)  # [b, d, k]
     y = np.empty((b, l, d), dtype=dtype)
     steps_per_tile = max(1, TILE_ELEMENTS // (b * d))
 
@@ -95,7 +102,6 @@ def _conv(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, state: np.
     tile_count = -(-l // steps_per_tile)
     run_all(tiles, ((start * steps_per_tile, min(stop * steps_per_tile, l))
                     for start, stop in row_ranges(tile_count, 1)))
-    last = np.concatenate([history, x[:, max(l - k, 0):]], axis=1)[:, -k:]  # the last k inputs, [b, k, d]
     return y, np.swapaxes(last, 1, 2)  # [b, d, k]
 
 
@@ -124,6 +130,9 @@ def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, grou
     cdtype = compute_dtype(xp, weight.dtype)
     rows_y = y.reshape(-1, d)  # [rows, d]
     rows_z = None if z is None else z.reshape(-1, d)  # [rows, d]
+    fused = kernels.gated_rms_norm(rows_y, rows_z, weight, groups, eps)
+    if fused is not None:
+        return fused.reshape(*lead, d)  # [rows, d] -> [..., d]
     out = np.empty(rows_y.shape, dtype=cdtype)
     w = weight.astype(cdtype, copy=False)
     rows_per_tile = max(1, TILE_ELEMENTS // d)

@@ -1,0 +1,229 @@
+"""NumPy's compiled kernels: the float32 conv with SiLU and the gated RMSNorm as one pass each.
+
+NumPy's ufuncs make one pass over a tile per operation: the tiled conv with SiLU of :mod:`.ops`
+takes about a dozen, the norm about ten, and at long prompts the two took a quarter of a 130m
+layer's forward (63 and 53 of 510 ms at l=8192 on 2 threads, ``benchmarks/numpy_profile.py``).
+These kernels are the C++ loops of torch's CPU kernels (``conv_silu_steps`` and ``norm_rows`` of
+:data:`portable_ssm.backends.cpu_source.SHARED`, written once for both backends) built into a
+plain shared library and called through ctypes, which releases the GIL for the call, so each
+worker of NumPy's pool (:mod:`.threads`) runs its range of rows on its own core.
+
+The library is compiled on first use with the C++ compiler (``$CXX``, else ``c++``, ``g++`` or
+``clang++``; a few seconds, once) and cached as ``numpy_kernels_<hash>.so`` under
+``$PORTABLE_SSM_CACHE`` (default ``$XDG_CACHE_HOME/portable_ssm``, i.e. ``~/.cache/portable_ssm``), the
+hash covering the source, the flags and the compiler; it is written under a temporary name and
+renamed into place, so processes building at once never load a torn file. The kernels are used only
+where they can be: an x86-64 CPU with AVX2 and FMA (as NumPy reports its CPU features) and
+``PORTABLE_SSM_CPU_KERNELS`` not ``0``. Where no compiler is found or the build fails, one warning
+says why and NumPy's ufunc paths stay; nothing else changes. Float64 always takes the ufunc paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from ..cpu_source import ENV, SHARED, SIMD_FLAGS
+from .threads import row_ranges, run_all
+
+SOURCE = r"""
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+""" + SHARED + r"""
+}  // namespace
+
+extern "C" {
+
+// Positions [begin, end) of the b·l steps of y [b, l, d] = silu(causal depthwise conv of x): x's
+// channels contiguous, its steps xs floats apart and its rows xb; history [b, k-1, d], taps [k, d]
+// and bias [d] (or null) contiguous.
+void portable_ssm_conv_silu(const float* x, int64_t xb, int64_t xs, const float* history, const float* taps,
+                            const float* bias, float* y, int64_t l, int64_t d, int64_t k, int64_t begin,
+                            int64_t end) {
+  for (int64_t row = begin / l; row * l < end; ++row) {
+    const ConvRow r{x + row * xb, history + row * (k - 1) * d, taps, bias, l, d, k, xs};
+    conv_silu_steps(r, y + row * l * d, std::max(begin - row * l, int64_t{0}), std::min(end - row * l, l));
+  }
+}
+
+// Rows [begin, end) of out [rows, d] = rmsnorm(y·silu(z)) ⊙ w over groups of m channels: y's rows
+// ys floats apart, z's zs (z null: no gate), channels contiguous.
+void portable_ssm_gated_rms_norm(const float* y, int64_t ys, const float* z, int64_t zs, const float* w, float* out,
+                                 int64_t d, int64_t m, double eps, int64_t begin, int64_t end) {
+  norm_rows(y, ys, z, zs, w, out, d, m, eps, begin, end);
+}
+
+}  // extern "C"
+"""
+
+#: The flags: the shared SIMD ones, as a position-independent shared library.
+CXXFLAGS = (*SIMD_FLAGS, "-std=c++17", "-shared", "-fPIC")
+#: The environment variable naming the folder the built library is cached in.
+CACHE_ENV = "PORTABLE_SSM_CACHE"
+#: Steps or rows a worker takes at least.
+MIN_ROWS = 16
+
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "portable_ssm_conv_silu": [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
+                               _INT],
+    "portable_ssm_gated_rms_norm": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, ctypes.c_double,
+                                    _INT, _INT],
+}
+
+_LOCK = threading.Lock()
+_LOADED: list[ctypes.CDLL | None] = []  # empty until the first build attempt, then the library or None
+
+
+def _cpu_has_avx2() -> bool:
+    """Whether this is an x86-64 CPU with AVX2 and FMA, as NumPy's dispatcher found it."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as features
+    except ImportError:
+        return False
+    return (platform.machine().lower() in ("x86_64", "amd64") and bool(features.get("AVX2"))
+            and bool(features.get("FMA3")))
+
+
+def enabled() -> bool:
+    """Whether the kernels may be used here: not turned off by ``PORTABLE_SSM_CPU_KERNELS=0``, an
+    x86-64 CPU with AVX2 and FMA."""
+    return os.environ.get(ENV, "").strip() != "0" and _cpu_has_avx2()
+
+
+def compiler() -> str | None:
+    """The C++ compiler's path: ``$CXX`` (its first word) if set, else the first of ``c++``, ``g++``
+    and ``clang++`` on the PATH, else None."""
+    named = os.environ.get("CXX", "").split()
+    for candidate in (named[:1] or ["c++", "g++", "clang++"]):
+        found = shutil.which(candidate)
+        if found is not None:
+            return found
+    return None
+
+
+def cache_dir() -> Path:
+    """Where the built library is kept: ``$PORTABLE_SSM_CACHE``, else ``$XDG_CACHE_HOME/portable_ssm``
+    (``~/.cache/portable_ssm``)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "portable_ssm"
+
+
+def _build(cxx: str, target: Path) -> None:
+    """Compile :data:`SOURCE` into ``target``: into a temporary file beside it, then renamed over it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        source = Path(work) / "numpy_kernels.cpp"
+        source.write_text(SOURCE)
+        built = Path(work) / target.name
+        result = subprocess.run([cxx, *CXXFLAGS, str(source), "-o", str(built)], capture_output=True, text=True,
+                                timeout=600, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{Path(cxx).name} exited with {result.returncode}: "
+                               f"{(result.stderr.strip().splitlines() or [''])[0]}")
+        fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".partial")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(built.read_bytes())
+            os.replace(partial, target)
+        except BaseException:
+            Path(partial).unlink(missing_ok=True)
+            raise
+
+
+def _load() -> ctypes.CDLL | None:
+    """The library, built first where it is not cached yet; None (and a warning why) where it cannot be."""
+    cxx = compiler()
+    try:
+        if cxx is None:
+            raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
+        key = hashlib.sha256("\0".join([SOURCE, *CXXFLAGS, cxx, platform.machine()]).encode()).hexdigest()[:16]
+        target = cache_dir() / f"numpy_kernels_{key}.so"
+        if not target.is_file():
+            _build(cxx, target)
+        library = ctypes.CDLL(str(target))
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = argtypes, None
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as error:
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        warnings.warn(f"portable_ssm: NumPy's CPU kernels could not be built ({first_line}); NumPy's conv and norm "
+                      f"use its ufuncs (set {ENV}=0 to skip the attempt)", RuntimeWarning, stacklevel=4)
+        return None
+    return library
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they may not or could not be used (built once per process)."""
+    if not enabled():
+        return None
+    with _LOCK:
+        if not _LOADED:
+            _LOADED.append(_load())
+    return _LOADED[0]
+
+
+def _float32_channels(a: np.ndarray) -> bool:
+    """Whether the kernels can read ``a`` through its pointer: float32, native byte order, aligned,
+    channels (its last axis) contiguous and every other stride a whole number of floats."""
+    return (a.dtype == np.float32 and a.dtype.isnative and a.flags.aligned
+            and (a.shape[-1] <= 1 or a.strides[-1] == 4) and all(s % 4 == 0 for s in a.strides))
+
+
+def conv_silu(x: np.ndarray, taps: np.ndarray, bias: np.ndarray | None, history: np.ndarray) -> np.ndarray | None:
+    """``silu(causal depthwise conv)`` of ``x [b, l, d]`` (channels contiguous, read in place) after
+    ``history [b, k-1, d]``, with ``taps [k, d]`` and ``bias [d]`` or None, all float32 -> ``y [b, l, d]``;
+    None where the kernels are not usable or an input is not laid out as they read it."""
+    lib = library()
+    b, l, d = x.shape
+    k = taps.shape[0]
+    operands = (x, taps, history, *(() if bias is None else (bias,)))
+    if lib is None or not all(_float32_channels(a) for a in operands):
+        return None
+    taps, history = np.ascontiguousarray(taps), np.ascontiguousarray(history)
+    bias = None if bias is None else np.ascontiguousarray(bias)
+    y = np.empty((b, l, d), dtype=np.float32)
+    if y.size == 0:
+        return y
+    run_all(lambda part: lib.portable_ssm_conv_silu(
+        x.ctypes.data, x.strides[0] // 4, x.strides[1] // 4, history.ctypes.data, taps.ctypes.data,
+        None if bias is None else bias.ctypes.data, y.ctypes.data, l, d, k, part[0], part[1]),
+        row_ranges(b * l, MIN_ROWS))
+    return y
+
+
+def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, groups: int,
+                   eps: float) -> np.ndarray | None:
+    """``rmsnorm(y · silu(z)) ⊙ weight`` per group of ``d / groups`` channels for ``y, z [rows, d]``
+    (channels contiguous, rows read in place) and ``weight [d]``, all float32 -> ``[rows, d]``; None where
+    the kernels are not usable or an input is not laid out as they read it."""
+    lib = library()
+    rows, d = y.shape
+    if lib is None or not all(_float32_channels(a) for a in (y, weight, *(() if z is None else (z,)))):
+        return None
+    weight = np.ascontiguousarray(weight)
+    out = np.empty((rows, d), dtype=np.float32)
+    if out.size == 0:
+        return out
+    run_all(lambda part: lib.portable_ssm_gated_rms_norm(
+        y.ctypes.data, y.strides[0] // 4, None if z is None else z.ctypes.data, 0 if z is None else z.strides[0] // 4,
+        weight.ctypes.data, out.ctypes.data, d, d // groups, eps, part[0], part[1]), row_ranges(rows, MIN_ROWS))
+    return out

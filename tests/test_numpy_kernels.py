@@ -1,0 +1,138 @@
+"""NumPy's compiled kernels (portable_ssm.backends.numpy.kernels): the conv with SiLU and the gated
+RMSNorm agree with the array-API references where they read their inputs in place from wider rows,
+over channel counts that are not a multiple of the vector width and rows split over the pool; the
+native paths take them only in float32 and while they are on; a failed build warns once and leaves
+NumPy's ufunc paths; the built library is cached and reused."""
+
+from __future__ import annotations
+
+import warnings
+
+import array_api_compat.numpy as nxp
+import numpy as np
+import pytest
+from portable_ssm.backends.cpu_source import ENV
+from portable_ssm.backends.numpy import kernels, ops
+
+from portable_ssm._array import silu
+from portable_ssm.conv import causal_conv1d_ref
+from portable_ssm.norm import gated_rms_norm_ref
+
+
+@pytest.fixture
+def library():
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("NumPy's CPU kernels: not usable here (an x86-64 CPU with AVX2 and FMA and a C++ compiler)")
+    return lib
+
+
+def conv_inputs(b: int, l: int, d: int, k: int, seed: int):
+    """x as the mixer has it, a slice of wider rows (in_proj's output), taps, bias and a state."""
+    rng = np.random.default_rng(seed)
+    wide = rng.standard_normal((b, l, d + 11)).astype(np.float32)
+    return (wide[:, :, 5:5 + d], rng.standard_normal((d, k)).astype(np.float32),
+            rng.standard_normal(d).astype(np.float32), rng.standard_normal((b, d, k)).astype(np.float32))
+
+
+@pytest.mark.parametrize(("b", "l", "d", "k"), [(1, 1, 8, 4), (3, 40, 13, 4), (2, 70, 24, 4), (2, 9, 7, 9)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_silu_kernel_reads_wider_rows_in_place_and_agrees_with_the_reference(library, b, l, d, k, with_bias):
+    x, w, bias, state = conv_inputs(b, l, d, k, seed=l + d)
+    bias = bias if with_bias else None
+    y, new_state = ops.causal_conv1d_silu(x, w, bias, state)
+    y_ref, state_ref = causal_conv1d_ref(x.astype(np.float64), w.astype(np.float64),
+                                         None if bias is None else bias.astype(np.float64),
+                                         state.astype(np.float64), xp=nxp)
+    assert y.dtype == np.float32 and y.shape == (b, l, d)
+    np.testing.assert_allclose(y, silu(y_ref, xp=nxp), rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(new_state, state_ref.astype(np.float32))
+
+
+def test_conv_silu_kernel_is_causal_bit_for_bit(library):
+    """A nan at step s reaches the outputs of steps s to s+k-1 only; every other output is unchanged
+    to the bit."""
+    x, w, bias, _ = conv_inputs(2, 50, 19, 4, seed=3)
+    clean = kernels.conv_silu(x, np.ascontiguousarray(w.T), bias, np.zeros((2, 3, 19), np.float32))
+    poisoned = x.copy()
+    poisoned[1, 20, 6] = np.nan
+    y = kernels.conv_silu(poisoned, np.ascontiguousarray(w.T), bias, np.zeros((2, 3, 19), np.float32))
+    changed = ~(y == clean)
+    assert np.isnan(y[1, 20:24, 6]).all()
+    assert changed.sum() == 4
+
+
+@pytest.mark.parametrize(("rows", "d", "groups"), [(1, 8, 1), (37, 20, 2), (64, 24, 3), (5, 7, 1)])
+@pytest.mark.parametrize("gated", [True, False])
+def test_norm_kernel_reads_wider_rows_in_place_and_agrees_with_the_reference(library, rows, d, groups, gated):
+    rng = np.random.default_rng(rows + d)
+    y = rng.standard_normal((rows, d)).astype(np.float32)
+    z = rng.standard_normal((rows, 3 * d)).astype(np.float32)[:, d:2 * d] if gated else None  # rows 3d apart
+    w = rng.standard_normal(d).astype(np.float32)
+    out = ops.gated_rms_norm(y, z, w, groups, 1e-5)
+    ref = gated_rms_norm_ref(y.astype(np.float64), None if z is None else z.astype(np.float64),
+                             w.astype(np.float64), groups, 1e-5, xp=nxp)
+    assert out.dtype == np.float32 and out.shape == (rows, d)
+    np.testing.assert_allclose(out, ref, rtol=2e-6, atol=2e-6)
+
+
+def test_native_paths_take_the_kernels_only_in_float32_and_while_they_are_on(library, monkeypatch):
+    calls: list[str] = []
+    for name in ("conv_silu", "gated_rms_norm"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    x, w, bias, state = conv_inputs(1, 20, 8, 4, seed=0)
+    rows = x[0]
+    ops.causal_conv1d_silu(x, w, bias, state)
+    ops.gated_rms_norm(rows, rows, w[:, 0], 1, 1e-5)
+    assert calls == ["conv_silu", "gated_rms_norm"]
+    assert kernels.conv_silu(x.astype(np.float64), np.ascontiguousarray(w.T).astype(np.float64), None,
+                             np.zeros((1, 3, 8))) is None
+    assert kernels.gated_rms_norm(rows.astype(np.float64), None, w[:, 0].astype(np.float64), 1, 1e-5) is None
+    assert kernels.gated_rms_norm(rows[:, ::2], None, w[::2, 0], 1, 1e-5) is None  # channels not contiguous
+    monkeypatch.setenv(ENV, "0")
+    assert kernels.library() is None
+    assert kernels.conv_silu(x, np.ascontiguousarray(w.T), bias, np.zeros((1, 3, 8), np.float32)) is None
+
+
+def test_the_library_is_built_once_into_the_cache_and_reused(library, tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, "_LOADED", [])
+    assert kernels.library() is not None
+    built = list(tmp_path.glob("numpy_kernels_*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("*.partial"))
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_build", lambda *a: pytest.fail("built again"))
+    assert kernels.library() is not None
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_a_failed_build_warns_and_leaves_the_ufunc_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_cpu_has_avx2", lambda: True)
+    x, w, bias, state = conv_inputs(2, 30, 8, 4, seed=1)
+    with pytest.warns(RuntimeWarning, match="NumPy's CPU kernels could not be built .*no C\\+\\+ compiler"):
+        y, _ = ops.causal_conv1d_silu(x, w, bias, state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the failure is remembered
+        assert kernels.library() is None
+    y_ref, _ = causal_conv1d_ref(x, w, bias, state, xp=nxp)
+    np.testing.assert_allclose(y, silu(y_ref, xp=nxp), rtol=1e-6, atol=1e-6)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_compiler_error_names_the_compiler_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    script = tmp_path / "bin" / "broken-c++"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\necho 'error: broken on purpose' >&2\nexit 3\n")
+    script.chmod(0o755)
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(script))
+    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_cpu_has_avx2", lambda: True)
+    with pytest.warns(RuntimeWarning, match="broken-c\\+\\+ exited with 3: error: broken on purpose"):
+        assert kernels.library() is None
+    assert not list((tmp_path / "cache").glob("*"))
