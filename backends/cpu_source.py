@@ -111,6 +111,14 @@ inline __m256 silu8(__m256 v) { return _mm256_mul_ps(v, sigmoid8(v)); }  // a Na
 inline float silu1(float v) { return v / (1.0f + std::exp(-v)); }
 inline float softplus1(float v) { return 0.5f * (v + std::fabs(v)) + std::log1p(std::exp(-std::fabs(v))); }
 
+// exp8 where v may exceed float32's range or be NaN: +inf above it and NaN for NaN, as std::exp
+// (exp8 clamps both to its range; the segment sums of a negative Δ or a NaN input reach it).
+inline __m256 exp8_nan(__m256 v) {
+  const __m256 special = _mm256_or_ps(_mm256_cmp_ps(v, _mm256_set1_ps(88.3762626647949f), _CMP_GT_OQ),
+                                      _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_ps(exp8(v), _mm256_add_ps(v, _mm256_set1_ps(INFINITY)), special);
+}
+
 // The causal depthwise conv and SiLU of a training forward, and its backward, V's lanes of channels
 // at a time (Lanes8: eight in a vector; Lanes1: one): xp = [history; x] is the row's input with the
 // k-1 steps before it, y_t = silu(bias + Σ_j w_j xp_{t+j}). Tensors are one row's
@@ -234,5 +242,167 @@ inline void norm_rows(const float* y, int64_t ys, const float* z, int64_t zs, co
       scale_lanes<Lanes1>(v.data(), w, r, out + i * d, split, start + m);
     }
   }
+}
+
+// The chunked scan's forward in raw pointers, for the kernels of both backends: sizes as
+// portable_ssm.ssd.ssd_chunked_ref's (no seq_idx), x [b, l, h, p], B and C [b, l, g, n] with packed
+// rows at any row and step stride (slices of the conv's output: steps xl, bl, cl floats apart, rows
+// xr, br, cr), dt [b, l, h], A [h], D [h] or [h, p] (d_per_channel) or null, initial [b, h, p, n] or
+// null, contiguous; y [b, l, h, p] and final [b, h, p, n] written. Q: the chunk length, block: heads
+// per work item (items = b·g·blocks), lowest: the decay floor, safe: see scan_forward_item.
+struct ScanView {
+  int64_t b, l, h, p, g, n, r;
+  const float *x, *dt, *A, *B, *C, *D, *initial;
+  bool d_per_channel;
+  int64_t xr, xl, br, bl, cr, cl;
+  float *y, *final;
+  int64_t Q, block, blocks;
+  float lowest;
+  bool safe;
+};
+
+// One work item of the chunked scan's forward: the heads [first, first + bw) of one group and row,
+// as NumPy's native loop (portable_ssm.backends.numpy.ops.ssd_chunked) computes them: per chunk of
+// q steps and head, with a = A·Δ, acs its float32 cumulative sum from the chunk's start, pre its
+// float64 one and S the state entering the chunk ([n, p] per head),
+//   y_i   = Σ_{j<=i} exp(max(pre_i - pre_j, floor)) (C_i·B_j) Δ_j x_j + exp(acs_i) C_i S + D x_i
+//   S_out = exp(acs_last) S + Σ_j exp(acs_last - acs_j) Δ_j B_jᵀ x_j
+// (exp(v) flushed to 0 below floor outside the diagonal block, as portable_ssm.ssd.decay does). The
+// block's state is [n, bw·p], so the entering state's read (C S), the state's update (Bᵀ X) and
+// C Bᵀ are one matrix product each for the block, the diagonal blocks one batch of bw. gemm(count,
+// ta, tb, m, n, k, A, lda, sa, B, ldb, sb, beta, C, ldc, sc) is the backend's row-major product:
+// C_i = op(A_i) op(B_i) + beta C_i for i < count, X_i = X + i·sx, op(X) = Xᵀ where tx, [m, k] [k, n].
+// Returns the sum of the item's outputs and final entries in float64 (non-finite wherever one of
+// them is). With `safe` (the call again,
+// for a non-finite input), a non-finite x_j·Δ_j enters the diagonal blocks' product as 0, so 0·inf
+// above the diagonal cannot reach the steps before j, and its column's outputs are nan from step j
+// on (what portable_ssm.ssd.poison adds in the reference): every other product reads only steps up
+// to its row, so the outputs before a non-finite input equal the first call's bit for bit.
+template <typename Gemm>
+double scan_forward_item(const ScanView& v, int64_t item, const Gemm& gemm) {
+  const int64_t l = v.l, h = v.h, p = v.p, n = v.n, Q = v.Q;
+  const float lowest = v.lowest;
+  const auto decay = [lowest](float e) { return e >= lowest ? std::exp(e) : 0.f; };
+  const int64_t row = item / (v.g * v.blocks), group = (item / v.blocks) % v.g, first = (item % v.blocks) * v.block;
+  const int64_t bw = std::min(v.block, v.r - first), h0 = group * v.r + first, wide = bw * p;
+  std::vector<float> S(n * wide, 0.f), G(Q * Q), off(Q * wide), W(bw * Q * Q), diag(bw * Q * p), fed(Q * wide);
+  std::vector<float> from_start(bw * Q), chunk_decay(bw), acs(Q), suffix(Q);
+  std::vector<float> masked(v.safe ? bw * Q * p : 0);  // safe: x with its non-finite x·Δ as 0, [bw, q, p]
+  std::vector<int64_t> first_bad(v.safe ? wide : 0);  // safe: each column's first non-finite x·Δ (q: none)
+  std::vector<double> pre(Q);
+  if (v.initial != nullptr) {  // [b, h, p, n] -> the block's [n, bw·p]
+    for (int64_t hh = 0; hh < bw; ++hh)
+      for (int64_t c = 0; c < p; ++c)
+        for (int64_t k = 0; k < n; ++k) S[k * wide + hh * p + c] = v.initial[((row * h + h0 + hh) * p + c) * n + k];
+  }
+  double total = 0.0;
+  for (int64_t t0 = 0; t0 < l; t0 += Q) {
+    const int64_t q = std::min(Q, l - t0);
+    // the chunk's rows of B and C, [q, n] each (read in place), and of x, [q, h, p]
+    const float* Bc = v.B + row * v.br + t0 * v.bl + group * n;
+    const float* Cc = v.C + row * v.cr + t0 * v.cl + group * n;
+    const float* xc = v.x + row * v.xr + t0 * v.xl;
+    gemm(1, false, true, q, q, n, Cc, v.cl, 0, Bc, v.bl, 0, 0.f, G.data(), q, 0);  // C Bᵀ, [q, q]
+    gemm(1, false, false, q, wide, n, Cc, v.cl, 0, S.data(), wide, 0, 0.f, off.data(), wide, 0);  // C S, [q, bw·p]
+    for (int64_t hh = 0; hh < bw; ++hh) {
+      const int64_t head = h0 + hh;
+      const float Ah = v.A[head];
+      const float* d = v.dt + (row * l + t0) * h + head;  // Δ_j at d[j·h]
+      float run = 0.f;
+      double prun = 0.0;
+      for (int64_t j = 0; j < q; ++j) {
+        const float a = d[j * h] * Ah;
+        run += a;
+        prun += static_cast<double>(a);
+        acs[j] = run;
+        pre[j] = prun;
+      }
+      suffix[q - 1] = 0.f;
+      for (int64_t j = q - 2; j >= 0; --j) suffix[j] = suffix[j + 1] + d[(j + 1) * h] * Ah;
+      for (int64_t i = 0; i < q; ++i) from_start[hh * Q + i] = decay(acs[i]);
+      chunk_decay[hh] = decay(acs[q - 1]);
+      float* w = W.data() + hh * q * q;
+      for (int64_t i = 0; i < q; ++i) {  // W_ij = exp(max(pre_i - pre_j, floor)) G_ij Δ_j, j <= i
+        float* wi = w + i * q;
+        const float* gi = G.data() + i * q;
+        for (int64_t j = 0; j <= i; ++j) wi[j] = std::max(static_cast<float>(pre[i] - pre[j]), lowest);
+        int64_t j = 0;
+        for (; j + 8 <= i + 1; j += 8) {
+          const __m256 dj = _mm256_set_ps(d[(j + 7) * h], d[(j + 6) * h], d[(j + 5) * h], d[(j + 4) * h],
+                                          d[(j + 3) * h], d[(j + 2) * h], d[(j + 1) * h], d[j * h]);
+          const __m256 L = exp8_nan(_mm256_loadu_ps(wi + j));
+          _mm256_storeu_ps(wi + j, _mm256_mul_ps(_mm256_mul_ps(L, _mm256_loadu_ps(gi + j)), dj));
+        }
+        for (; j <= i; ++j) wi[j] = std::exp(wi[j]) * gi[j] * d[j * h];
+        std::fill(wi + i + 1, wi + q, 0.f);
+        if (v.D != nullptr && !v.d_per_channel) wi[i] += v.D[head];  // y_i += D x_i through the diagonal
+      }
+      for (int64_t j = 0; j < q; ++j) {  // x_j exp(acs_last - acs_j) Δ_j: what x_j feeds the leaving state
+        const float weight = decay(suffix[j]) * d[j * h];
+        const float* xj = xc + j * v.xl + head * p;
+        float* fj = fed.data() + j * wide + hh * p;
+        for (int64_t c = 0; c < p; ++c) fj[c] = xj[c] * weight;
+      }
+      if (v.safe) {
+        std::fill(first_bad.begin() + hh * p, first_bad.begin() + (hh + 1) * p, q);
+        for (int64_t j = q - 1; j >= 0; --j) {
+          const float* xj = xc + j * v.xl + head * p;
+          float* mj = masked.data() + (hh * q + j) * p;
+          for (int64_t c = 0; c < p; ++c) {
+            const bool finite = std::isfinite(xj[c] * d[j * h]);
+            mj[c] = finite ? xj[c] : 0.f;
+            if (!finite) first_bad[hh * p + c] = j;
+          }
+        }
+      }
+    }
+    // the diagonal blocks, [bw, q, p]: each head's W [q, q] times its x [q, p] (masked: packed)
+    gemm(bw, false, false, q, p, q, W.data(), q, q * q, v.safe ? masked.data() : xc + h0 * p, v.safe ? p : v.xl,
+         v.safe ? q * p : p, 0.f, diag.data(), p, q * p);
+    for (int64_t i = 0; i < q; ++i) {
+      for (int64_t hh = 0; hh < bw; ++hh) {
+        const int64_t head = h0 + hh;
+        const float* xi = xc + i * v.xl + head * p;
+        const float* dg = diag.data() + (hh * q + i) * p;
+        const float* of = off.data() + i * wide + hh * p;
+        const float fs = from_start[hh * Q + i];
+        float* out = v.y + ((row * l + t0 + i) * h + head) * p;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c + 8 <= p; c += 8) {
+          __m256 e = _mm256_fmadd_ps(_mm256_set1_ps(fs), _mm256_loadu_ps(of + c), _mm256_loadu_ps(dg + c));
+          if (v.d_per_channel) e = _mm256_fmadd_ps(_mm256_loadu_ps(v.D + head * p + c), _mm256_loadu_ps(xi + c), e);
+          _mm256_storeu_ps(out + c, e);
+          acc = _mm256_add_ps(acc, e);
+        }
+        float s = horizontal_sum(acc);
+        for (; c < p; ++c) {
+          out[c] = dg[c] + fs * of[c] + (v.d_per_channel ? v.D[head * p + c] * xi[c] : 0.f);
+          s += out[c];
+        }
+        if (v.safe) {
+          for (c = 0; c < p; ++c) {
+            if (i >= first_bad[hh * p + c]) out[c] = NAN;
+          }
+        }
+        total += s;
+      }
+    }
+    for (int64_t k = 0; k < n; ++k)  // the state decayed over the chunk, then what the chunk feeds it
+      for (int64_t hh = 0; hh < bw; ++hh) {
+        float* sk = S.data() + k * wide + hh * p;
+        const float cd = chunk_decay[hh];
+        for (int64_t c = 0; c < p; ++c) sk[c] *= cd;
+      }
+    gemm(1, true, false, n, wide, q, Bc, v.bl, 0, fed.data(), wide, 0, 1.f, S.data(), wide, 0);  // S += Bᵀ X
+  }
+  for (int64_t hh = 0; hh < bw; ++hh)  // the block's [n, bw·p] -> [b, h, p, n]
+    for (int64_t c = 0; c < p; ++c)
+      for (int64_t k = 0; k < n; ++k) {
+        const float e = S[k * wide + hh * p + c];
+        v.final[((row * h + h0 + hh) * p + c) * n + k] = e;
+        total += e;
+      }
+  return total;
 }
 """

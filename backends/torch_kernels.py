@@ -159,13 +159,6 @@ at::Tensor row_gemv(const at::Tensor& row, const at::Tensor& weight, const c10::
 inline bool packed_rows(const at::Tensor& t) {
   return t.numel() == 0 || (t.stride(-1) == 1 && (t.size(-2) == 1 || t.stride(-2) == t.size(-1)));
 }
-// exp8 where v may exceed float32's range or be NaN: +inf above it and NaN for NaN, as std::exp
-// (exp8 clamps both to its range; the segment sums of a negative Δ or a NaN input reach it).
-inline __m256 exp8_nan(__m256 v) {
-  const __m256 special = _mm256_or_ps(_mm256_cmp_ps(v, _mm256_set1_ps(88.3762626647949f), _CMP_GT_OQ),
-                                      _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_ps(exp8(v), _mm256_add_ps(v, _mm256_set1_ps(INFINITY)), special);
-}
 
 // v[i] = silu(v[i]), in place.
 inline void silu_pass(float* v, int64_t count) {
@@ -324,6 +317,27 @@ inline void diagonal_block_head(const double* pre, const float* d, const float* 
   for (int64_t i = 0; i < q; ++i) dacs[i] -= down[i];
 }
 
+// The scan's products through ATen (scan_forward_item's gemm): C_i = op(A_i) op(B_i) + beta C_i for
+// i < count, row-major, views of the buffers (mm or addmm for one, bmm or baddbmm for several).
+inline void torch_gemm(int64_t count, bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
+                       int64_t sa, const float* B, int64_t ldb, int64_t sb, float beta, float* C, int64_t ldc,
+                       int64_t sc) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor a = ta ? at::from_blob(const_cast<float*>(A), {count, k, m}, {sa, lda, 1}, f32).transpose(1, 2)
+                          : at::from_blob(const_cast<float*>(A), {count, m, k}, {sa, lda, 1}, f32);
+  const at::Tensor bt = tb ? at::from_blob(const_cast<float*>(B), {count, n, k}, {sb, ldb, 1}, f32).transpose(1, 2)
+                           : at::from_blob(const_cast<float*>(B), {count, k, n}, {sb, ldb, 1}, f32);
+  at::Tensor c = at::from_blob(C, {count, m, n}, {sc, ldc, 1}, f32);
+  if (count == 1) {
+    at::Tensor c0 = c[0];
+    if (beta == 0.f) at::mm_out(c0, a[0], bt[0]); else c0.addmm_(a[0], bt[0], beta);
+  } else if (beta == 0.f) {
+    at::bmm_out(c, a, bt);
+  } else {
+    c.baddbmm_(a, bt, beta);
+  }
+}
+
 // The scan's sizes and optional inputs, once its tensors are checked (`name`: the kernel, for messages).
 struct ScanSizes {
   int64_t b, l, h, p, g, n, r;
@@ -375,170 +389,28 @@ ScanSizes check_scan(const char* name, const at::Tensor& x, const at::Tensor& dt
 }
 
 // The chunked scan's forward (portable_ssm.ssd.ssd_chunked_ref without seq_idx) for float32
-// tensors, as NumPy's native loop computes it (portable_ssm.backends.numpy.ops.ssd_chunked): per
-// chunk of q steps and head, with a = A·Δ, acs its float32 cumulative sum from the chunk's start,
-// pre its float64 one and S the state entering the chunk ([n, p] per head),
-//   y_i   = Σ_{j<=i} exp(max(pre_i - pre_j, floor)) (C_i·B_j) Δ_j x_j + exp(acs_i) C_i S + D x_i
-//   S_out = exp(acs_last) S + Σ_j exp(acs_last - acs_j) Δ_j B_jᵀ x_j
-// (exp(v) flushed to 0 below floor outside the diagonal block, as portable_ssm.ssd.decay does).
-// The heads of one group go in blocks of `block` (one per work item, the items split over the
-// threads); a block's state is [n, block·p], so the entering state's read (C S), the state's
-// update (Bᵀ X) and C Bᵀ are one matrix product each for the block, and the diagonal blocks one
-// batched product. Returns (y, final state, the sum of every output and final entry in float64:
-// non-finite wherever one of them is). With `safe` (the call again, for a non-finite input), a
-// non-finite x_j·Δ_j enters the diagonal blocks' product as 0, so 0·inf above the diagonal cannot
-// reach the steps before j, and its column's outputs are nan from step j on (what
-// portable_ssm.ssd.poison adds in the reference): every other product reads only steps up to its
-// row, so the outputs before a non-finite input equal the first call's bit for bit.
+// tensors: scan_forward_item's work items (blocks of `block` heads of one group and row) split over
+// the threads, their products through ATen (torch_gemm). Returns (y, final state, the sum of every
+// output and final entry in float64: non-finite wherever one of them is); `safe`: see
+// scan_forward_item.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> scan_forward(
     const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
     const c10::optional<at::Tensor>& D, const c10::optional<at::Tensor>& initial, int64_t chunk, double floor,
     int64_t block, bool safe) {
   const ScanSizes z = check_scan("scan_forward", x, dt, A, B, C, D, initial);
-  const int64_t b = z.b, l = z.l, h = z.h, p = z.p, g = z.g, n = z.n, r = z.r;
-  const float *Dp = z.D, *Ip = z.initial;
-  const bool d_per_channel = z.d_per_channel;
   TORCH_CHECK(chunk > 0 && block > 0, "scan_forward: chunk and block must be positive");
-  const int64_t Q = std::min(chunk, std::max<int64_t>(l, 1));
+  const int64_t b = z.b, l = z.l, h = z.h, p = z.p, g = z.g, n = z.n, r = z.r;
   at::Tensor y = at::empty({b, l, h, p}, x.options()), final = at::empty({b, h, p, n}, x.options());
-  const float *xp = x.data_ptr<float>(), *dtp = dt.data_ptr<float>(), *Ap = A.data_ptr<float>();
-  const float *Bp = B.data_ptr<float>(), *Cp = C.data_ptr<float>();
-  float *yp = y.data_ptr<float>(), *fp = final.data_ptr<float>();
-  // x, B and C may be slices of wider rows (the conv's output): steps xl, bl, cl apart, rows xr, br, cr
-  const int64_t xr = x.stride(0), xl = x.stride(1), br = B.stride(0), bl = B.stride(1);
-  const int64_t cr = C.stride(0), cl = C.stride(1);
   const int64_t blocks = (r + block - 1) / block, items = b * g * blocks;
+  // x, B and C may be slices of wider rows (the conv's output): their step and row strides
+  const ScanView view{b, l, h, p, g, n, r, x.data_ptr<float>(), dt.data_ptr<float>(), A.data_ptr<float>(),
+                      B.data_ptr<float>(), C.data_ptr<float>(), z.D, z.initial, z.d_per_channel,
+                      x.stride(0), x.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+                      y.data_ptr<float>(), final.data_ptr<float>(), std::min(chunk, std::max<int64_t>(l, 1)), block,
+                      blocks, static_cast<float>(floor), safe};
   std::vector<double> sums(items, 0.0);
-  const float lowest = static_cast<float>(floor);
-  const auto decay = [lowest](float v) { return v >= lowest ? std::exp(v) : 0.f; };
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / (g * blocks), group = (item / blocks) % g, first = (item % blocks) * block;
-      const int64_t bw = std::min(block, r - first), h0 = group * r + first, wide = bw * p;
-      std::vector<float> S(n * wide, 0.f), G(Q * Q), off(Q * wide), W(bw * Q * Q), diag(bw * Q * p), fed(Q * wide);
-      std::vector<float> from_start(bw * Q), chunk_decay(bw), acs(Q), suffix(Q);
-      std::vector<float> masked(safe ? bw * Q * p : 0);  // safe: x with its non-finite x·Δ as 0, [bw, q, p]
-      std::vector<int64_t> first_bad(safe ? wide : 0);  // safe: each column's first non-finite x·Δ (q: none)
-      std::vector<double> pre(Q);
-      if (Ip != nullptr) {  // [b, h, p, n] -> the block's [n, bw·p]
-        for (int64_t hh = 0; hh < bw; ++hh)
-          for (int64_t c = 0; c < p; ++c)
-            for (int64_t k = 0; k < n; ++k) S[k * wide + hh * p + c] = Ip[((row * h + h0 + hh) * p + c) * n + k];
-      }
-      at::Tensor state = at::from_blob(S.data(), {n, wide}, f32);
-      double total = 0.0;
-      for (int64_t t0 = 0; t0 < l; t0 += Q) {
-        const int64_t q = std::min(Q, l - t0);
-        // the chunk's rows of B and C, [q, n] each (read in place), and of x, [q, h, p]
-        at::Tensor Bc = at::from_blob(const_cast<float*>(Bp + row * br + t0 * bl + group * n), {q, n}, {bl, 1}, f32);
-        at::Tensor Cc = at::from_blob(const_cast<float*>(Cp + row * cr + t0 * cl + group * n), {q, n}, {cl, 1}, f32);
-        const float* xc = xp + row * xr + t0 * xl;
-        at::Tensor Gt = at::from_blob(G.data(), {q, q}, f32), offt = at::from_blob(off.data(), {q, wide}, f32);
-        at::mm_out(Gt, Cc, Bc.t());  // C Bᵀ, [q, q]
-        at::mm_out(offt, Cc, state);  // C S, [q, bw·p]: the entering state read at each step
-        for (int64_t hh = 0; hh < bw; ++hh) {
-          const int64_t head = h0 + hh;
-          const float Ah = Ap[head];
-          const float* d = dtp + (row * l + t0) * h + head;  // Δ_j at d[j·h]
-          float run = 0.f;
-          double prun = 0.0;
-          for (int64_t j = 0; j < q; ++j) {
-            const float a = d[j * h] * Ah;
-            run += a;
-            prun += static_cast<double>(a);
-            acs[j] = run;
-            pre[j] = prun;
-          }
-          suffix[q - 1] = 0.f;
-          for (int64_t j = q - 2; j >= 0; --j) suffix[j] = suffix[j + 1] + d[(j + 1) * h] * Ah;
-          for (int64_t i = 0; i < q; ++i) from_start[hh * Q + i] = decay(acs[i]);
-          chunk_decay[hh] = decay(acs[q - 1]);
-          float* w = W.data() + hh * q * q;
-          for (int64_t i = 0; i < q; ++i) {  // W_ij = exp(max(pre_i - pre_j, floor)) G_ij Δ_j, j <= i
-            float* wi = w + i * q;
-            const float* gi = G.data() + i * q;
-            for (int64_t j = 0; j <= i; ++j) wi[j] = std::max(static_cast<float>(pre[i] - pre[j]), lowest);
-            int64_t j = 0;
-            for (; j + 8 <= i + 1; j += 8) {
-              const __m256 dj = _mm256_set_ps(d[(j + 7) * h], d[(j + 6) * h], d[(j + 5) * h], d[(j + 4) * h],
-                                              d[(j + 3) * h], d[(j + 2) * h], d[(j + 1) * h], d[j * h]);
-              const __m256 L = exp8_nan(_mm256_loadu_ps(wi + j));
-              _mm256_storeu_ps(wi + j, _mm256_mul_ps(_mm256_mul_ps(L, _mm256_loadu_ps(gi + j)), dj));
-            }
-            for (; j <= i; ++j) wi[j] = std::exp(wi[j]) * gi[j] * d[j * h];
-            std::fill(wi + i + 1, wi + q, 0.f);
-            if (Dp != nullptr && !d_per_channel) wi[i] += Dp[head];  // y_i += D x_i through the diagonal
-          }
-          for (int64_t j = 0; j < q; ++j) {  // x_j exp(acs_last - acs_j) Δ_j: what x_j feeds the leaving state
-            const float weight = decay(suffix[j]) * d[j * h];
-            const float* xj = xc + j * xl + head * p;
-            float* fj = fed.data() + j * wide + hh * p;
-            for (int64_t c = 0; c < p; ++c) fj[c] = xj[c] * weight;
-          }
-          if (safe) {
-            std::fill(first_bad.begin() + hh * p, first_bad.begin() + (hh + 1) * p, q);
-            for (int64_t j = q - 1; j >= 0; --j) {
-              const float* xj = xc + j * xl + head * p;
-              float* mj = masked.data() + (hh * q + j) * p;
-              for (int64_t c = 0; c < p; ++c) {
-                const bool finite = std::isfinite(xj[c] * d[j * h]);
-                mj[c] = finite ? xj[c] : 0.f;
-                if (!finite) first_bad[hh * p + c] = j;
-              }
-            }
-          }
-        }
-        at::Tensor Wt = at::from_blob(W.data(), {bw, q, q}, f32), diagt = at::from_blob(diag.data(), {bw, q, p}, f32);
-        at::Tensor xb = safe ? at::from_blob(masked.data(), {bw, q, p}, f32)
-                             : at::from_blob(const_cast<float*>(xc + h0 * p), {bw, q, p}, {p, xl, 1}, f32);
-        at::bmm_out(diagt, Wt, xb);  // the diagonal blocks, [bw, q, p]
-        for (int64_t i = 0; i < q; ++i) {
-          for (int64_t hh = 0; hh < bw; ++hh) {
-            const int64_t head = h0 + hh;
-            const float* xi = xc + i * xl + head * p;
-            const float* dg = diag.data() + (hh * q + i) * p;
-            const float* of = off.data() + i * wide + hh * p;
-            const float fs = from_start[hh * Q + i];
-            float* out = yp + ((row * l + t0 + i) * h + head) * p;
-            __m256 acc = _mm256_setzero_ps();
-            int64_t c = 0;
-            for (; c + 8 <= p; c += 8) {
-              __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(fs), _mm256_loadu_ps(of + c), _mm256_loadu_ps(dg + c));
-              if (d_per_channel) v = _mm256_fmadd_ps(_mm256_loadu_ps(Dp + head * p + c), _mm256_loadu_ps(xi + c), v);
-              _mm256_storeu_ps(out + c, v);
-              acc = _mm256_add_ps(acc, v);
-            }
-            float s = horizontal_sum(acc);
-            for (; c < p; ++c) {
-              out[c] = dg[c] + fs * of[c] + (d_per_channel ? Dp[head * p + c] * xi[c] : 0.f);
-              s += out[c];
-            }
-            if (safe) {
-              for (c = 0; c < p; ++c) {
-                if (i >= first_bad[hh * p + c]) out[c] = NAN;
-              }
-            }
-            total += s;
-          }
-        }
-        for (int64_t k = 0; k < n; ++k)  // the state decayed over the chunk, then what the chunk feeds it
-          for (int64_t hh = 0; hh < bw; ++hh) {
-            float* sk = S.data() + k * wide + hh * p;
-            const float cd = chunk_decay[hh];
-            for (int64_t c = 0; c < p; ++c) sk[c] *= cd;
-          }
-        state.addmm_(Bc.t(), at::from_blob(fed.data(), {q, wide}, f32));
-      }
-      for (int64_t hh = 0; hh < bw; ++hh)  // the block's [n, bw·p] -> [b, h, p, n]
-        for (int64_t c = 0; c < p; ++c)
-          for (int64_t k = 0; k < n; ++k) {
-            const float v = S[k * wide + hh * p + c];
-            fp[((row * h + h0 + hh) * p + c) * n + k] = v;
-            total += v;
-          }
-      sums[item] = total;
-    }
+    for (int64_t item = begin; item < end; ++item) sums[item] = scan_forward_item(view, item, torch_gemm);
   });
   double check = 0.0;
   for (double s : sums) check += s;

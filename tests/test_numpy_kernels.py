@@ -14,6 +14,7 @@ import pytest
 from portable_ssm.backends.cpu_source import ENV
 from portable_ssm.backends.numpy import kernels, ops
 
+from portable_ssm import ssd
 from portable_ssm._array import silu
 from portable_ssm.conv import causal_conv1d_ref
 from portable_ssm.norm import gated_rms_norm_ref
@@ -136,3 +137,92 @@ def test_a_compiler_error_names_the_compiler_and_leaves_no_partial_file(tmp_path
     with pytest.warns(RuntimeWarning, match="broken-c\\+\\+ exited with 3: error: broken on purpose"):
         assert kernels.library() is None
     assert not list((tmp_path / "cache").glob("*"))
+
+
+@pytest.fixture
+def compiled_scan(library):
+    if kernels.blas_sgemm() is None:
+        pytest.skip("NumPy's compiled scan: no OpenBLAS sgemm found in the process")
+
+
+def scan_inputs(b: int, l: int, h: int, p: int, g: int, n: int, seed: int):
+    """x, B and C as the mixer has them, slices of one conv output row [b, l, h·p + 2·g·n + 3] (read
+    in place), Δ > 0, A < 0, D [h] and initial states."""
+    rng = np.random.default_rng(seed)
+    conv = rng.standard_normal((b, l, h * p + 2 * g * n + 3)).astype(np.float32)
+    x = conv[..., :h * p].reshape(b, l, h, p)  # [b, l, h·p] -> [b, l, h, p], a view
+    B = conv[..., h * p:h * p + g * n].reshape(b, l, g, n)  # a view
+    C = conv[..., h * p + g * n:h * p + 2 * g * n].reshape(b, l, g, n)  # a view
+    dt = rng.uniform(0.01, 0.3, (b, l, h)).astype(np.float32)
+    A = -rng.uniform(0.5, 4.0, h).astype(np.float32)
+    D = rng.standard_normal(h).astype(np.float32)
+    initial = rng.standard_normal((b, h, p, n)).astype(np.float32)
+    return x, dt, A, B, C, D, initial
+
+
+@pytest.mark.parametrize(("b", "l", "h", "p", "g", "n", "chunk"),
+                         [(2, 150, 8, 16, 2, 32, 64), (1, 1, 4, 8, 1, 16, 64), (3, 77, 6, 5, 3, 7, 16),
+                          (1, 200, 24, 8, 1, 16, 64)])
+def test_compiled_scan_reads_the_conv_output_in_place_and_agrees_with_the_reference(compiled_scan, monkeypatch, b, l,
+                                                                                      h, p, g, n, chunk):
+    x, dt, A, B, C, D, initial = scan_inputs(b, l, h, p, g, n, seed=l + h)
+    copied: list[np.ndarray] = []
+    packed = kernels._packed_rows
+
+    def spy(a: np.ndarray) -> np.ndarray:
+        out = packed(a)
+        if out is not a:
+            copied.append(a)
+        return out
+
+    monkeypatch.setattr(kernels, "_packed_rows", spy)
+    y, final = kernels.ssd_chunked(x, dt, A, B, C, chunk, initial, D)
+    assert not copied
+    f64 = {k: v.astype(np.float64) for k, v in dict(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_states=initial).items()}
+    y_ref, final_ref = ssd.ssd_chunked_ref(**f64, chunk_size=chunk, xp=nxp)
+    assert y.dtype == final.dtype == np.float32 and y.shape == (b, l, h, p) and final.shape == (b, h, p, n)
+    assert np.abs(y - y_ref).max() <= 1e-5 * np.abs(y_ref).max()
+    assert np.abs(final - final_ref).max() <= 1e-5 * np.abs(final_ref).max()
+
+
+def test_compiled_scan_keeps_a_non_finite_input_from_earlier_steps_bit_for_bit(compiled_scan):
+    """A nan in x at step s: every output before s equals the clean input's to the bit, and the
+    nan's column is nan from s on (the second, masked call)."""
+    x, dt, A, B, C, D, initial = scan_inputs(1, 130, 4, 8, 1, 16, seed=5)
+    clean, _ = kernels.ssd_chunked(x, dt, A, B, C, 64, initial, D)
+    x = x.copy()
+    x[0, 70, 2, 3] = np.nan
+    y, _ = kernels.ssd_chunked(x, dt, A, B, C, 64, initial, D)
+    np.testing.assert_array_equal(y[:, :70], clean[:, :70])
+    assert np.isnan(y[0, 70:, 2, 3]).all()
+
+
+def test_numpy_scan_takes_the_compiled_scan_only_in_float32_with_the_blas_sgemm(compiled_scan, monkeypatch):
+    x, dt, A, B, C, D, initial = scan_inputs(1, 40, 4, 8, 1, 16, seed=2)
+    assert kernels.ssd_chunked(x.astype(np.float64), dt, A, B, C, 16, None, None) is None
+    monkeypatch.setattr(kernels, "blas_sgemm", lambda: None)
+    assert kernels.ssd_chunked(x, dt, A, B, C, 16, None, None) is None
+    y, _ = ops.ssd_chunked(x, dt, A, B, C, 16, None, D=D)  # NumPy's loop
+    y_ref, _ = ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=16, initial_states=None, xp=nxp, D=D)
+    assert np.abs(y - y_ref).max() <= 1e-5 * np.abs(y_ref).max()
+
+
+def test_compiled_scan_calls_a_blas_with_32_bit_integers_alike(compiled_scan, monkeypatch):
+    """The scan's products through a CBLAS sgemm that takes 32-bit integers (a BLAS built LP64, as
+    SciPy's wheels ship one), not NumPy's 64-bit one, give the same result."""
+    scipy_linalg = pytest.importorskip("scipy.linalg")
+    import ctypes
+    from pathlib import Path
+
+    libs = Path(scipy_linalg.__file__).parents[2] / "scipy.libs"
+    found = sorted(libs.glob("libscipy_openblas-*.so")) if libs.is_dir() else []
+    library = ctypes.CDLL(str(found[0])) if found else None
+    if library is None or not hasattr(library, "scipy_cblas_sgemm"):
+        pytest.skip("no LP64 CBLAS sgemm (SciPy's scipy_cblas_sgemm) in this environment")
+    x, dt, A, B, C, D, initial = scan_inputs(2, 90, 8, 16, 2, 32, seed=9)
+    want, want_final = kernels.ssd_chunked(x, dt, A, B, C, 32, initial, D)
+    monkeypatch.setattr(kernels, "blas_sgemm",
+                        lambda: (ctypes.cast(library.scipy_cblas_sgemm, ctypes.c_void_p).value, False))
+    y, final = kernels.ssd_chunked(x, dt, A, B, C, 32, initial, D)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(final, want_final, rtol=1e-5, atol=1e-5 * np.abs(want_final).max())

@@ -135,9 +135,13 @@ class _MatmulSpy:
         return np.matmul(a, b, **kwargs)
 
 
-@pytest.mark.parametrize("path", ["reference", "numpy native"])
+@pytest.mark.parametrize("path", ["reference", "numpy native", "numpy compiled"])
 def test_strongly_decaying_scan_has_no_subnormal_operands_and_matches_the_recurrence(path, monkeypatch):
+    """The reference's and NumPy's loop's matmul operands hold no subnormal (they cost 100x in a
+    BLAS); NumPy's compiled scan, whose products run in C++, matches the recurrence all the same."""
     from portable_ssm.backends import numpy as numpy_backend
+    from portable_ssm.backends.cpu_source import ENV
+    from portable_ssm.backends.numpy import kernels
     from portable_ssm.backends.numpy import ops as numpy_ops
 
     import portable_ssm.ssd as ssd
@@ -155,11 +159,20 @@ def test_strongly_decaying_scan_has_no_subnormal_operands_and_matches_the_recurr
             return matmul(a, b, xp=xp)
 
         monkeypatch.setattr(ssd, "_matmul", spy)
-    else:
+    elif path == "numpy native":
+        monkeypatch.setenv(ENV, "0")
         monkeypatch.setattr(numpy_ops, "np", _MatmulSpy(seen))
+    else:
+        if kernels.library() is None or kernels.blas_sgemm() is None:
+            pytest.skip("NumPy's compiled scan: not usable here (needs its CPU kernels and OpenBLAS's sgemm)")
+        scan = kernels.ssd_chunked
+        monkeypatch.setattr(kernels, "ssd_chunked", lambda *a: seen.append(scan(*a)) or seen[-1])
     y = ps.ssd_scan(**f32, dt_softplus=True, chunk_size=64)
     tiny = np.finfo(np.float32).smallest_normal
-    assert seen and not any(np.any((v != 0) & (np.abs(v) < tiny)) for v in seen)
+    if path == "numpy compiled":
+        assert len(seen) == 1 and seen[0] is not None
+    else:
+        assert seen and not any(np.any((v != 0) & (np.abs(v) < tiny)) for v in seen)
     y_ref, _ = oracle({k: None if v is None else v.astype(np.float64) for k, v in f32.items()})
     assert rel_err(y, y_ref) < tol("float32")
 
@@ -240,7 +253,7 @@ def test_native_state_passing_agrees_with_the_loop(backend, injected):
 @pytest.mark.parametrize("head_block", [None, 3])
 @pytest.mark.parametrize("group_chunks", [None, 1, 3])
 def test_numpy_native_scan_agrees_with_the_reference(l, Q, g, D, initial, dtype, head_block, group_chunks,
-                                                     monkeypatch):
+                                                     numpy_path, monkeypatch):
     import array_api_compat.numpy as nxp
     from portable_ssm.backends import fast_op
     from portable_ssm.backends.numpy import ops as numpy_ops

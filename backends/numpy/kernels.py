@@ -1,12 +1,17 @@
-"""NumPy's compiled kernels: the float32 conv with SiLU and the gated RMSNorm as one pass each.
+"""NumPy's compiled kernels: the float32 conv with SiLU, the gated RMSNorm and the chunked scan.
 
 NumPy's ufuncs make one pass over a tile per operation: the tiled conv with SiLU of :mod:`.ops`
-takes about a dozen, the norm about ten, and at long prompts the two took a quarter of a 130m
-layer's forward (63 and 53 of 510 ms at l=8192 on 2 threads, ``benchmarks/numpy_profile.py``).
-These kernels are the C++ loops of torch's CPU kernels (``conv_silu_steps`` and ``norm_rows`` of
-:data:`portable_ssm.backends.cpu_source.SHARED`, written once for both backends) built into a
-plain shared library and called through ctypes, which releases the GIL for the call, so each
-worker of NumPy's pool (:mod:`.threads`) runs its range of rows on its own core.
+takes about a dozen, the norm about ten, the scan's loop about twenty per group of chunks, and at
+long prompts the three took half of a 130m layer's forward (63, 53 and 125 of 510 ms at l=8192 on 2
+threads, ``benchmarks/numpy_profile.py``). These kernels are the C++ loops of torch's CPU kernels
+(``conv_silu_steps``, ``norm_rows`` and ``scan_forward_item`` of
+:data:`portable_ssm.backends.cpu_source.SHARED`, written once for both backends) built into a plain
+shared library and called through ctypes, which releases the GIL for the call, so each worker of
+NumPy's pool (:mod:`.threads`) runs its range of rows (or the scan's blocks of heads) on its own
+core. The scan's matrix products go to the CBLAS ``sgemm`` of the OpenBLAS NumPy ships
+(:func:`.threads.blas_sgemm`, held at one thread per worker); where none is found the scan stays
+NumPy's loop. In that forward they took the conv to 13-22 ms, the norms to 23-24 and the scan to
+71-89 (the same command, the same VM).
 
 The library is compiled on first use with the C++ compiler (``$CXX``, else ``c++``, ``g++`` or
 ``clang++``; a few seconds, once) and cached as ``numpy_kernels_<hash>.so`` under
@@ -15,13 +20,15 @@ hash covering the source, the flags and the compiler; it is written under a temp
 renamed into place, so processes building at once never load a torn file. The kernels are used only
 where they can be: an x86-64 CPU with AVX2 and FMA (as NumPy reports its CPU features) and
 ``PORTABLE_SSM_CPU_KERNELS`` not ``0``. Where no compiler is found or the build fails, one warning
-says why and NumPy's ufunc paths stay; nothing else changes. Float64 always takes the ufunc paths.
+says why and NumPy's ufunc paths and scan loop stay; nothing else changes. Float64 always takes
+those.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -31,10 +38,13 @@ import threading
 import warnings
 from pathlib import Path
 
+import array_api_compat.numpy as xp
 import numpy as np
 
+from portable_ssm import ssd
+
 from ..cpu_source import ENV, SHARED, SIMD_FLAGS
-from .threads import row_ranges, run_all
+from .threads import blas_sgemm, row_ranges, run_all, workers
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -47,6 +57,37 @@ SOURCE = r"""
 
 namespace {
 """ + SHARED + r"""
+}  // namespace
+
+namespace {
+
+using Sgemm64 = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
+                         float, float*, int64_t);
+using Sgemm32 = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+
+// scan_forward_item's products through the CBLAS sgemm of NumPy's BLAS (row-major), one call per
+// matrix; ilp64: its integers are 64-bit (NumPy's scipy-openblas64 wheels), else 32-bit.
+struct BlasGemm {
+  void* sgemm;
+  bool ilp64;
+  void operator()(int64_t count, bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
+                  int64_t sa, const float* B, int64_t ldb, int64_t sb, float beta, float* C, int64_t ldc,
+                  int64_t sc) const {
+    constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+    const int opa = ta ? kTrans : kNoTrans, opb = tb ? kTrans : kNoTrans;
+    for (int64_t i = 0; i < count; ++i) {
+      if (ilp64) {
+        reinterpret_cast<Sgemm64>(sgemm)(kRowMajor, opa, opb, m, n, k, 1.f, A + i * sa, lda, B + i * sb, ldb, beta,
+                                         C + i * sc, ldc);
+      } else {
+        reinterpret_cast<Sgemm32>(sgemm)(kRowMajor, opa, opb, static_cast<int>(m), static_cast<int>(n),
+                                         static_cast<int>(k), 1.f, A + i * sa, static_cast<int>(lda), B + i * sb,
+                                         static_cast<int>(ldb), beta, C + i * sc, static_cast<int>(ldc));
+      }
+    }
+  }
+};
+
 }  // namespace
 
 extern "C" {
@@ -70,6 +111,25 @@ void portable_ssm_gated_rms_norm(const float* y, int64_t ys, const float* z, int
   norm_rows(y, ys, z, zs, w, out, d, m, eps, begin, end);
 }
 
+// Work items [begin, end) of the chunked scan's forward (scan_forward_item; items = b·g·blocks):
+// sizes = {b, l, h, p, g, n, xr, xl, br, bl, cr, cl, Q, block, d_per_channel, safe, ilp64} and
+// pointers = {x, dt, A, B, C, D, initial, y, final, sgemm} (D and initial may be null). Returns the
+// sum of the items' outputs and final entries in float64.
+double portable_ssm_scan_forward(const int64_t* sizes, void* const* pointers, double lowest, int64_t begin,
+                                 int64_t end) {
+  const int64_t* s = sizes;
+  const int64_t r = s[2] / s[4];
+  const auto in = [pointers](int i) { return static_cast<const float*>(pointers[i]); };
+  const ScanView view{s[0], s[1], s[2], s[3], s[4], s[5], r, in(0), in(1), in(2), in(3), in(4), in(5), in(6),
+                      s[14] != 0, s[6], s[7], s[8], s[9], s[10], s[11], static_cast<float*>(pointers[7]),
+                      static_cast<float*>(pointers[8]), s[12], s[13], (r + s[13] - 1) / s[13],
+                      static_cast<float>(lowest), s[15] != 0};
+  const BlasGemm gemm{pointers[9], s[16] != 0};
+  double total = 0.0;
+  for (int64_t item = begin; item < end; ++item) total += scan_forward_item(view, item, gemm);
+  return total;
+}
+
 }  // extern "C"
 """
 
@@ -86,7 +146,9 @@ _SIGNATURES = {
                                _INT],
     "portable_ssm_gated_rms_norm": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, ctypes.c_double,
                                     _INT, _INT],
+    "portable_ssm_scan_forward": [_POINTER, _POINTER, ctypes.c_double, _INT, _INT],
 }
+_RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double}
 
 _LOCK = threading.Lock()
 _LOADED: list[ctypes.CDLL | None] = []  # empty until the first build attempt, then the library or None
@@ -162,7 +224,7 @@ def _load() -> ctypes.CDLL | None:
         library = ctypes.CDLL(str(target))
         for name, argtypes in _SIGNATURES.items():
             function = getattr(library, name)
-            function.argtypes, function.restype = argtypes, None
+            function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as error:
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         warnings.warn(f"portable_ssm: NumPy's CPU kernels could not be built ({first_line}); NumPy's conv and norm "
@@ -227,3 +289,62 @@ def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, grou
         y.ctypes.data, y.strides[0] // 4, None if z is None else z.ctypes.data, 0 if z is None else z.strides[0] // 4,
         weight.ctypes.data, out.ctypes.data, d, d // groups, eps, part[0], part[1]), row_ranges(rows, MIN_ROWS))
     return out
+
+
+def _packed_rows(a: np.ndarray) -> np.ndarray:
+    """``a [b, l, u, v]`` as the scan reads it: itself where it is float32 with packed ``[u, v]`` rows
+    whose steps are at least a row apart (a slice of the conv's output, read in place), else a copy."""
+    b, l, u, v = a.shape
+    if _float32_channels(a) and a.strides[2] == 4 * v and a.strides[1] >= 4 * u * v:
+        return a
+    return np.array(a, dtype=np.float32, order="C")  # a fresh array: steps exactly a row apart
+
+
+def head_block(b: int, g: int, h: int) -> int:
+    """Heads per work item of the scan (at most ``ops.SCAN_HEAD_BLOCK`` of one group): as many items
+    per group as give every worker of the pool one."""
+    from .ops import SCAN_HEAD_BLOCK
+
+    per_group = -(-workers() // max(b * g, 1))
+    return max(1, min(SCAN_HEAD_BLOCK, -(-(h // g) // per_group)))
+
+
+def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray, chunk: int,
+                initial_states: np.ndarray | None, D: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The chunked scan ``(y [b, l, h, p], final state [b, h, p, n])`` of float32 ``x [b, l, h, p]``, Δ
+    ``[b, l, h]``, A ``[h]``, B, C ``[b, l, g, n]``, D ``[h]``, ``[h, p]`` or None and initial states
+    ``[b, h, p, n]`` or None in chunks of ``chunk`` steps, as :func:`.ops.ssd_chunked` computes it, in
+    one C++ pass per block of heads (``scan_forward_item`` of the shared source, the kernel torch's
+    CPU scan runs), the blocks over the pool and each chunk's products through the CBLAS sgemm of
+    NumPy's own BLAS (:func:`.threads.blas_sgemm`). A non-finite output (a non-finite input) runs it
+    again with masked products, which keep it from the outputs before its step, as NumPy's loop
+    does. None where the kernels or that sgemm are not usable, an input is not float32, or a size is 0."""
+    lib, sgemm = library(), blas_sgemm()
+    b, l, h, p = x.shape
+    g, n = B.shape[-2:]
+    inputs = (x, dt, A, B, C, *(v for v in (D, initial_states) if v is not None))
+    if lib is None or sgemm is None or min(b, l, h, p, n) == 0 or any(v.dtype != np.float32 for v in inputs):
+        return None
+    x, B, C = _packed_rows(x), _packed_rows(B), _packed_rows(C)
+    dt, A = np.ascontiguousarray(dt), np.ascontiguousarray(A)
+    D = None if D is None else np.ascontiguousarray(D)
+    initial_states = None if initial_states is None else np.ascontiguousarray(initial_states)
+    y = np.empty((b, l, h, p), dtype=np.float32)
+    final = np.empty((b, h, p, n), dtype=np.float32)
+    block = head_block(b, g, h)
+    items = b * g * -(-(h // g) // block)
+    address, ilp64 = sgemm
+    pointers = (ctypes.c_void_p * 10)(*(None if v is None else v.ctypes.data
+                                        for v in (x, dt, A, B, C, D, initial_states, y, final)), address)
+    floor = float(ssd.decay_floor(np.float32, xp=xp))
+
+    def scan(safe: bool) -> float:
+        strides = (s // 4 for s in (*x.strides[:2], *B.strides[:2], *C.strides[:2]))  # xr, xl, br, bl, cr, cl
+        sizes = (ctypes.c_int64 * 17)(b, l, h, p, g, n, *strides, ssd.chunk_length(l, chunk), block,
+                                       D is not None and D.ndim == 2, safe, ilp64)
+        return sum(run_all(lambda part: lib.portable_ssm_scan_forward(sizes, pointers, floor, part[0], part[1]),
+                           row_ranges(items, 1), blas=True))
+
+    if not math.isfinite(scan(False)):  # a non-finite input: again, keeping it from the steps before it
+        scan(True)
+    return y, final

@@ -9,7 +9,8 @@ by chunk), so that every pass over an intermediate reads it from cache rather th
 - :func:`gated_rms_norm`: the gated (or plain) RMSNorm in tiles of about TILE_ELEMENTS elements (in
   float32, :mod:`.kernels`' one pass where it is usable);
 - :func:`ssd_chunked`: the chunked scan as a loop over groups of SCAN_GROUP_CHUNKS chunks, heads in
-  blocks of SCAN_HEAD_BLOCK;
+  blocks of SCAN_HEAD_BLOCK (in float32, :mod:`.kernels`' compiled scan where it is usable: one C++
+  pass per block of heads);
 - :func:`pass_states`: the reference scan's state passing in place (used with ``seq_idx``, which
   the native scan hands to the reference).
 """
@@ -210,7 +211,8 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     every block writes its heads of y in place into one output array: no segment concatenation, no
     padding (the last chunk is just shorter), Δ folded into the decays instead of a scaled copy of
     x, and a per-head skip D added to the diagonal of the decays. Packed rows (``seq_idx``) take
-    the reference.
+    the reference; float32 takes :func:`.kernels.ssd_chunked` (the same arithmetic in C++) where it
+    is usable.
 
     One difference from the reference, far below rounding: inside a chunk, decay factors below
     ``exp(floor)`` (``floor`` as in ``portable_ssm.ssd.decay``, about 1e-19 in float32) are held at
@@ -223,6 +225,9 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     if seq_idx is not None:
         return ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
                                    xp=xp, seq_idx=seq_idx, D=D)
+    compiled = kernels.ssd_chunked(x, dt, A, B, C, chunk_size, initial_states, D)
+    if compiled is not None:
+        return compiled
     b, l, h, p = x.shape
     g, n = B.shape[-2:]
     r = h // g

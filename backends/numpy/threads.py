@@ -48,9 +48,15 @@ _BLAS_SYMBOLS = (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_t
                  ("openblas_get_num_threads", "openblas_set_num_threads"))
 
 
+#: OpenBLAS's CBLAS sgemm under the names its builds export, and whether its integers are 64-bit.
+_SGEMM_SYMBOLS = (("scipy_cblas_sgemm64_", True), ("cblas_sgemm64_", True), ("scipy_cblas_sgemm", False),
+                  ("cblas_sgemm", False))
+
+
 @lru_cache(maxsize=1)
-def _openblas() -> tuple[Callable[[], int], Callable[[int], None]] | None:
-    """``(get, set)`` of the loaded OpenBLAS's thread count, or None (no OpenBLAS mapped)."""
+def _openblas_library() -> ctypes.CDLL | None:
+    """The OpenBLAS mapped into the process once NumPy is imported whose thread count can be set
+    (the one NumPy's matmul runs in), or None (no OpenBLAS mapped, or the maps cannot be read)."""
     import numpy  # noqa: F401  (maps NumPy's BLAS into the process)
 
     try:
@@ -60,11 +66,31 @@ def _openblas() -> tuple[Callable[[], int], Callable[[int], None]] | None:
         return None
     for path in paths:
         library = ctypes.CDLL(path)
-        for get, set_ in _BLAS_SYMBOLS:
-            if hasattr(library, get) and hasattr(library, set_):
-                getter, setter = getattr(library, get), getattr(library, set_)
-                getter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
-                return getter, setter
+        if any(hasattr(library, get) and hasattr(library, set_) for get, set_ in _BLAS_SYMBOLS):
+            return library
+    return None
+
+
+@lru_cache(maxsize=1)
+def blas_sgemm() -> tuple[int, bool] | None:
+    """``(address, ilp64)`` of that OpenBLAS's CBLAS ``sgemm`` (``ilp64``: it takes 64-bit integers),
+    which NumPy's compiled scan calls inside :func:`one_blas_thread`; None where there is none."""
+    library = _openblas_library()
+    for name, ilp64 in _SGEMM_SYMBOLS:
+        if library is not None and hasattr(library, name):
+            return ctypes.cast(getattr(library, name), ctypes.c_void_p).value, ilp64
+    return None
+
+
+@lru_cache(maxsize=1)
+def _openblas() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """``(get, set)`` of the loaded OpenBLAS's thread count, or None (no OpenBLAS mapped)."""
+    library = _openblas_library()
+    for get, set_ in _BLAS_SYMBOLS:
+        if library is not None and hasattr(library, get) and hasattr(library, set_):
+            getter, setter = getattr(library, get), getattr(library, set_)
+            getter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
+            return getter, setter
     return None
 
 
