@@ -226,3 +226,25 @@ def test_compiled_scan_calls_a_blas_with_32_bit_integers_alike(compiled_scan, mo
     y, final = kernels.ssd_chunked(x, dt, A, B, C, 32, initial, D)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     np.testing.assert_allclose(final, want_final, rtol=1e-5, atol=1e-5 * np.abs(want_final).max())
+
+
+@pytest.mark.parametrize("planted", ["writable by others", "a symlink"])
+def test_a_cached_library_anyone_else_could_have_written_is_built_again_not_loaded(library, tmp_path, monkeypatch,
+                                                                                 planted):
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, "_LOADED", [])
+    assert kernels.library() is not None
+    (target,) = tmp_path.glob("numpy_kernels_*.so")
+    target.unlink()
+    if planted == "a symlink":
+        (tmp_path / "elsewhere.so").write_bytes(b"not a library")
+        target.symlink_to(tmp_path / "elsewhere.so")
+    else:
+        target.write_bytes(b"not a library")
+        target.chmod(0o666)
+    monkeypatch.setattr(kernels, "_LOADED", [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.library() is not None
+    assert not target.is_symlink() and target.read_bytes() != b"not a library"
+    assert not target.stat().st_mode & 0o022

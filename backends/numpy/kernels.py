@@ -17,8 +17,9 @@ The library is compiled on first use with the C++ compiler (``$CXX``, else ``c++
 ``clang++``; a few seconds, once) and cached as ``numpy_kernels_<hash>.so`` under
 ``$PORTABLE_SSM_CACHE`` (default ``$XDG_CACHE_HOME/portable_ssm``, i.e. ``~/.cache/portable_ssm``), the
 hash covering the source, the flags and the compiler; it is written under a temporary name and
-renamed into place, so processes building at once never load a torn file. The kernels are used only
-where they can be: an x86-64 CPU with AVX2 and FMA (as NumPy reports its CPU features) and
+renamed into place, so processes building at once never load a torn file; a cached file that is not
+a regular file of this user's, writable by no one else, is built again over, never loaded. The
+kernels are used only where they can be: an x86-64 CPU with AVX2 and FMA (as NumPy reports its CPU features) and
 ``PORTABLE_SSM_CPU_KERNELS`` not ``0``. Where no compiler is found or the build fails, one warning
 says why and NumPy's ufunc paths and scan loop stay; nothing else changes. Float64 always takes
 those.
@@ -32,6 +33,7 @@ import math
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -211,6 +213,18 @@ def _build(cxx: str, target: Path) -> None:
             raise
 
 
+def _trusted(path: Path) -> bool:
+    """Whether ``path`` is a cached library this process may load: a regular file (not a link) owned
+    by this user that no one else may write. Anything else is built again over it, so a file another
+    user planted in a shared cache folder is never loaded."""
+    try:
+        status = path.lstat()
+    except OSError:
+        return False
+    owner = os.getuid() if hasattr(os, "getuid") else status.st_uid
+    return stat.S_ISREG(status.st_mode) and status.st_uid == owner and not status.st_mode & 0o022
+
+
 def _load() -> ctypes.CDLL | None:
     """The library, built first where it is not cached yet; None (and a warning why) where it cannot be."""
     cxx = compiler()
@@ -219,7 +233,7 @@ def _load() -> ctypes.CDLL | None:
             raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
         key = hashlib.sha256("\0".join([SOURCE, *CXXFLAGS, cxx, platform.machine()]).encode()).hexdigest()[:16]
         target = cache_dir() / f"numpy_kernels_{key}.so"
-        if not target.is_file():
+        if not _trusted(target):
             _build(cxx, target)
         library = ctypes.CDLL(str(target))
         for name, argtypes in _SIGNATURES.items():
@@ -227,8 +241,9 @@ def _load() -> ctypes.CDLL | None:
             function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as error:
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        warnings.warn(f"portable_ssm: NumPy's CPU kernels could not be built ({first_line}); NumPy's conv and norm "
-                      f"use its ufuncs (set {ENV}=0 to skip the attempt)", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"portable_ssm: NumPy's CPU kernels could not be built ({first_line}); NumPy's conv, norm "
+                      f"and scan use its ufuncs and loop (set {ENV}=0 to skip the attempt)", RuntimeWarning,
+                      stacklevel=4)
         return None
     return library
 
