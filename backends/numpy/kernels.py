@@ -160,8 +160,11 @@ def _cpu_has_avx2() -> bool:
     """Whether this is an x86-64 CPU with AVX2 and FMA, as NumPy's dispatcher found it."""
     try:
         from numpy._core._multiarray_umath import __cpu_features__ as features
-    except ImportError:
-        return False
+    except ImportError:  # NumPy 1.x
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__ as features
+        except ImportError:
+            return False
     return (platform.machine().lower() in ("x86_64", "amd64") and bool(features.get("AVX2"))
             and bool(features.get("FMA3")))
 
