@@ -4,15 +4,25 @@ their SIMD helpers and pointer-level loops (AVX2 and FMA), written once.
 :mod:`portable_ssm.backends.torch_kernels` compiles :data:`SHARED` into torch ops (with
 ``at::parallel_for`` over the rows), :mod:`portable_ssm.backends.numpy.kernels` into a plain shared
 library that NumPy's native paths call through ctypes (its thread pool over the rows); both call
-``conv_silu_steps`` and ``norm_rows`` for the conv with SiLU and the gated RMSNorm, so the two
-backends compute them with the same code. The source is the inside of an anonymous namespace; it
-needs ``<immintrin.h>``, ``<algorithm>``, ``<cmath>``, ``<cstdint>``, ``<cstring>`` and ``<vector>``."""
+``conv_silu_steps`` and ``norm_rows`` for the conv with SiLU and the gated RMSNorm and
+``scan_forward_item`` (with their own matrix product) for the chunked scan, over work items of
+:func:`head_block` heads, so the two backends compute them with the same code. The source is the
+inside of an anonymous namespace; it needs ``<immintrin.h>``, ``<algorithm>``, ``<cmath>``,
+``<cstdint>``, ``<cstring>`` and ``<vector>``."""
 
 #: The environment variable that turns the kernels off (``0``); anything else leaves them on.
 ENV = "PORTABLE_SSM_CPU_KERNELS"
 
 #: The compiler's flags for both: AVX2 and FMA code, optimized.
 SIMD_FLAGS = ("-O3", "-mavx2", "-mfma")
+
+
+def head_block(b: int, g: int, h: int, threads: int, most: int) -> int:
+    """Heads per work item of ``scan_forward_item`` (at most ``most`` of one group, so the item's
+    state and diagonal blocks stay in L2): as many items per group as give each of ``threads`` one."""
+    per_group = -(-threads // max(b * g, 1))
+    return max(1, min(most, -(-(h // g) // per_group)))
+
 
 SHARED = r"""
 inline float horizontal_sum(__m256 v) {

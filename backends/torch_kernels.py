@@ -74,7 +74,7 @@ import torch
 
 from portable_ssm import ssd
 
-from .cpu_source import ENV, SHARED, SIMD_FLAGS
+from .cpu_source import ENV, SHARED, SIMD_FLAGS, head_block
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -1126,8 +1126,7 @@ def _packed_rows(t: torch.Tensor) -> torch.Tensor:
 def _head_block(b: int, g: int, h: int) -> int:
     """Heads per work item of the scan kernels (at most SCAN_HEAD_BLOCK of one group): as many
     items per group as give every thread one."""
-    per_group = -(-torch.get_num_threads() // max(b * g, 1))
-    return max(1, min(SCAN_HEAD_BLOCK, -(-(h // g) // per_group)))
+    return head_block(b, g, h, torch.get_num_threads(), SCAN_HEAD_BLOCK)
 
 
 def scan_forward(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

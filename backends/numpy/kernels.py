@@ -45,7 +45,7 @@ import numpy as np
 
 from portable_ssm import ssd
 
-from ..cpu_source import ENV, SHARED, SIMD_FLAGS
+from ..cpu_source import ENV, SHARED, SIMD_FLAGS, head_block
 from .threads import blas_sgemm, row_ranges, run_all, workers
 
 SOURCE = r"""
@@ -270,13 +270,14 @@ def _float32_channels(a: np.ndarray) -> bool:
 
 def conv_silu(x: np.ndarray, taps: np.ndarray, bias: np.ndarray | None, history: np.ndarray) -> np.ndarray | None:
     """``silu(causal depthwise conv)`` of ``x [b, l, d]`` (channels contiguous, read in place) after
-    ``history [b, k-1, d]``, with ``taps [k, d]`` and ``bias [d]`` or None, all float32 -> ``y [b, l, d]``;
-    None where the kernels are not usable or an input is not laid out as they read it."""
+    ``history [b, k-1, d]``, with ``taps [k, d]`` and ``bias [d]`` or None (any layout: copied where
+    not contiguous), all float32 -> ``y [b, l, d]``; None where the kernels are not usable, an input
+    is not float32 or x is not laid out as they read it."""
     lib = library()
     b, l, d = x.shape
     k = taps.shape[0]
-    operands = (x, taps, history, *(() if bias is None else (bias,)))
-    if lib is None or not all(_float32_channels(a) for a in operands):
+    copied = (taps, history, *(() if bias is None else (bias,)))  # small: made contiguous here
+    if lib is None or not _float32_channels(x) or any(a.dtype != np.float32 for a in copied):
         return None
     taps, history = np.ascontiguousarray(taps), np.ascontiguousarray(history)
     bias = None if bias is None else np.ascontiguousarray(bias)
@@ -293,11 +294,13 @@ def conv_silu(x: np.ndarray, taps: np.ndarray, bias: np.ndarray | None, history:
 def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, groups: int,
                    eps: float) -> np.ndarray | None:
     """``rmsnorm(y · silu(z)) ⊙ weight`` per group of ``d / groups`` channels for ``y, z [rows, d]``
-    (channels contiguous, rows read in place) and ``weight [d]``, all float32 -> ``[rows, d]``; None where
-    the kernels are not usable or an input is not laid out as they read it."""
+    (channels contiguous, rows read in place) and ``weight [d]`` (copied where not contiguous), all
+    float32 -> ``[rows, d]``; None where the kernels are not usable, an input is not float32 or y or z
+    is not laid out as they read it."""
     lib = library()
     rows, d = y.shape
-    if lib is None or not all(_float32_channels(a) for a in (y, weight, *(() if z is None else (z,)))):
+    if (lib is None or weight.dtype != np.float32
+            or not all(_float32_channels(a) for a in (y, *(() if z is None else (z,))))):
         return None
     weight = np.ascontiguousarray(weight)
     out = np.empty((rows, d), dtype=np.float32)
@@ -316,15 +319,6 @@ def _packed_rows(a: np.ndarray) -> np.ndarray:
     if _float32_channels(a) and a.strides[2] == 4 * v and a.strides[1] >= 4 * u * v:
         return a
     return np.array(a, dtype=np.float32, order="C")  # a fresh array: steps exactly a row apart
-
-
-def head_block(b: int, g: int, h: int) -> int:
-    """Heads per work item of the scan (at most ``ops.SCAN_HEAD_BLOCK`` of one group): as many items
-    per group as give every worker of the pool one."""
-    from .ops import SCAN_HEAD_BLOCK
-
-    per_group = -(-workers() // max(b * g, 1))
-    return max(1, min(SCAN_HEAD_BLOCK, -(-(h // g) // per_group)))
 
 
 def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray, chunk: int,
@@ -349,20 +343,23 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     initial_states = None if initial_states is None else np.ascontiguousarray(initial_states)
     y = np.empty((b, l, h, p), dtype=np.float32)
     final = np.empty((b, h, p, n), dtype=np.float32)
-    block = head_block(b, g, h)
+    from .ops import SCAN_HEAD_BLOCK
+
+    block = head_block(b, g, h, workers(), SCAN_HEAD_BLOCK)
     items = b * g * -(-(h // g) // block)
     address, ilp64 = sgemm
     pointers = (ctypes.c_void_p * 10)(*(None if v is None else v.ctypes.data
                                         for v in (x, dt, A, B, C, D, initial_states, y, final)), address)
     floor = float(ssd.decay_floor(np.float32, xp=xp))
+    strides = (s // 4 for s in (*x.strides[:2], *B.strides[:2], *C.strides[:2]))  # xr, xl, br, bl, cr, cl
+    sizes = (ctypes.c_int64 * 17)(b, l, h, p, g, n, *strides, ssd.chunk_length(l, chunk), block,
+                                   D is not None and D.ndim == 2, 0, ilp64)  # sizes[15]: safe
 
-    def scan(safe: bool) -> float:
-        strides = (s // 4 for s in (*x.strides[:2], *B.strides[:2], *C.strides[:2]))  # xr, xl, br, bl, cr, cl
-        sizes = (ctypes.c_int64 * 17)(b, l, h, p, g, n, *strides, ssd.chunk_length(l, chunk), block,
-                                       D is not None and D.ndim == 2, safe, ilp64)
+    def scan() -> float:
         return sum(run_all(lambda part: lib.portable_ssm_scan_forward(sizes, pointers, floor, part[0], part[1]),
                            row_ranges(items, 1), blas=True))
 
-    if not math.isfinite(scan(False)):  # a non-finite input: again, keeping it from the steps before it
-        scan(True)
+    if not math.isfinite(scan()):  # a non-finite input: again, keeping it from the steps before it
+        sizes[15] = 1
+        scan()
     return y, final
