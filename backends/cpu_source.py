@@ -72,7 +72,9 @@ inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), 
 
 // sum_i w[i] * x[i] over n elements: four accumulators of eight lanes, then the tail; the lines
 // kAheadBytes past each step's 32 weights are prefetched (past the row's end they are the next
-// row's, which the caller reads next).
+// row's, which the caller reads next). bfloat16 weights are prefetched into L2 only: a one-row read
+// of them went from 21 to 26 GB/s on a 2-core AVX-512 VM whose streaming read is 29, and a 130m
+// LM's decode step from 12.3 to 10.9 ms (float32 and int8 weights, no faster so, keep every level).
 template <typename T>
 inline float dot(const T* w, const float* x, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -80,7 +82,11 @@ inline float dot(const T* w, const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     for (int64_t line = 0; line < 32 * static_cast<int64_t>(sizeof(T)); line += 64) {
-      prefetch(ahead + i * sizeof(T) + line);
+      if constexpr (sizeof(T) == 2) {
+        _mm_prefetch(ahead + i * sizeof(T) + line, _MM_HINT_T1);
+      } else {
+        prefetch(ahead + i * sizeof(T) + line);
+      }
     }
     a0 = _mm256_fmadd_ps(widen8(w, i), _mm256_loadu_ps(x + i), a0);
     a1 = _mm256_fmadd_ps(widen8(w, i + 8), _mm256_loadu_ps(x + i + 8), a1);

@@ -252,6 +252,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_step(
         __m256 acc = _mm256_setzero_ps();
         int64_t j = 0;
         for (; j + 8 <= n; j += 8) {
+          if (j % 16 == 0) prefetch(hrow + j + kAheadBytes / sizeof(float));
           __m256 v = _mm256_fmadd_ps(vfeed, _mm256_loadu_ps(B + j), _mm256_mul_ps(vdecay, _mm256_loadu_ps(hrow + j)));
           if (stream) {
             _mm256_stream_ps(nrow + j, v);

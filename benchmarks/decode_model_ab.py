@@ -19,14 +19,48 @@ import hashlib
 import re
 import statistics
 import subprocess
+import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-KERNELS = "backends/torch_kernels.py"
+KERNELS, SHARED_SOURCE = "backends/torch_kernels.py", "backends/cpu_source.py"
+
+
+def _show(rev: str, path: str, missing_ok: bool = False) -> str | None:
+    """The text of ``path`` at git revision ``rev`` (None where it has no such file and ``missing_ok``)."""
+    shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=Path(__file__).resolve().parent,
+                           capture_output=True, text=True)
+    if shown.returncode != 0 and missing_ok:
+        return None
+    shown.check_returncode()
+    return shown.stdout
+
+
+@contextlib.contextmanager
+def _sibling(name: str, text: str | None, filename: str) -> Iterator[None]:
+    """While inside, ``import name`` (the relative import of the revision's kernel module) gives
+    ``text`` run as that module; nothing changes for None (a revision from before the C++ source
+    shared with NumPy's kernels moved out, whose kernel module holds it whole)."""
+    if text is None:
+        yield
+        return
+    module = types.ModuleType(name)
+    module.__package__ = name.rpartition(".")[0]
+    exec(compile(text, filename, "exec"), module.__dict__)
+    saved = sys.modules.get(name)
+    sys.modules[name] = module
+    try:
+        yield
+    finally:
+        if saved is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = saved
 
 
 def kernel_at(rev: str) -> Callable[..., Any]:
@@ -35,10 +69,12 @@ def kernel_at(rev: str) -> Callable[..., Any]:
     import torch
     from torch.utils import cpp_extension
 
-    text = subprocess.run(["git", "show", f"{rev}:{KERNELS}"], cwd=Path(__file__).resolve().parent, check=True,
-                          capture_output=True, text=True).stdout
-    module: dict[str, Any] = {"__name__": f"torch_kernels_at_{rev}"}
-    exec(compile(text, f"{rev}:{KERNELS}", "exec"), module)
+    text = _show(rev, KERNELS)
+    module: dict[str, Any] = {"__name__": f"portable_ssm.backends.torch_kernels_at_{rev}",
+                              "__package__": "portable_ssm.backends"}
+    shared = _show(rev, SHARED_SOURCE, missing_ok=True)
+    with _sibling("portable_ssm.backends.cpu_source", shared, f"{rev}:{SHARED_SOURCE}"):
+        exec(compile(text, f"{rev}:{KERNELS}", "exec"), module)
     namespace = "portable_ssm_cpu_" + hashlib.sha256(module["SOURCE"].encode()).hexdigest()[:12]
     source = re.sub(r"\bportable_ssm_cpu\b", namespace, module["SOURCE"])
     cpp_extension.load_inline(namespace, cpp_sources=[source], extra_cflags=list(module["CFLAGS"]),

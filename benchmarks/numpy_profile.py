@@ -2,7 +2,9 @@
 as ``benchmarks/run.py``'s forward rows call it, each of NumPy's native ops (the projections, the
 conv with SiLU, the norms, the scan: ``portable_ssm.backends.numpy.FAST_OPS``) timed on every call
 and summed per forward, beside the ``[4096, 4096]`` float32 sgemm the benchmark measures its share
-against. It prints the medians over the rounds and the forward's % of that sgemm (the model FLOPs
+against, each after the runner's idle ``SETTLE_S``, as there (without it the forward shared the
+cores with OpenBLAS's threads, still spinning from the sgemm before it, and took about 1.2x as
+long). It prints the medians over the rounds and the forward's % of that sgemm (the model FLOPs
 of ``portable_ssm.bench.report.forward_flops``). Tooling, not a test: nothing is asserted.
 
     python benchmarks/numpy_profile.py --threads 2 --length 8192 --rounds 5
@@ -34,7 +36,7 @@ def main() -> None:
     import portable_ssm as ps
     from portable_ssm.bench.calls import forward_fn, sgemm_call
     from portable_ssm.bench.report import forward_flops
-    from portable_ssm.bench.runner import LAYER_130M, SGEMM_N
+    from portable_ssm.bench.runner import LAYER_130M, SETTLE_S, SGEMM_N
     from portable_ssm.host import retain_unless_disabled
 
     retain_unless_disabled()
@@ -58,11 +60,13 @@ def main() -> None:
     samples: dict[str, list[float]] = collections.defaultdict(list)
     for _ in range(args.rounds):
         spent.clear()
+        time.sleep(SETTLE_S)
         start = time.perf_counter()
         forward()
         samples["forward"].append(time.perf_counter() - start)
         for name, seconds in spent.items():
             samples[name].append(seconds)
+        time.sleep(SETTLE_S)
         start = time.perf_counter()
         sgemm()
         samples["sgemm"].append(time.perf_counter() - start)
