@@ -4,11 +4,12 @@ their SIMD helpers and pointer-level loops (AVX2 and FMA), written once.
 :mod:`portable_ssm.backends.torch_kernels` compiles :data:`SHARED` into torch ops (with
 ``at::parallel_for`` over the rows), :mod:`portable_ssm.backends.numpy.kernels` into a plain shared
 library that NumPy's native paths call through ctypes (its thread pool over the rows); both call
-``conv_silu_steps`` and ``norm_rows`` for the conv with SiLU and the gated RMSNorm and
+``conv_silu_steps`` and ``norm_rows`` for the conv with SiLU and the gated RMSNorm,
+``row_products`` for a batch-1 decode step's products with float32, int8 or bfloat16 weights and
 ``scan_forward_item`` (with their own matrix product) for the chunked scan, over work items of
 :func:`head_block` heads, so the two backends compute them with the same code. The source is the
 inside of an anonymous namespace; it needs ``<immintrin.h>``, ``<algorithm>``, ``<cmath>``,
-``<cstdint>``, ``<cstring>`` and ``<vector>``."""
+``<cstdint>``, ``<cstring>``, ``<type_traits>`` and ``<vector>``."""
 
 #: The environment variable that turns the kernels off (``0``); anything else leaves them on.
 ENV = "PORTABLE_SSM_CPU_KERNELS"
@@ -97,6 +98,44 @@ inline float dot(const T* w, const float* x, int64_t n) {
   float total = horizontal_sum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   for (; i < n; ++i) total += widen1(w[i]) * x[i];
   return total;
+}
+
+// sum_i w[r·n + i] * x[i] for four consecutive float32 weight rows r at once, into out[r]: each
+// load of x feeds four rows' FMAs and four weight streams are in flight; two accumulators of eight
+// lanes per row, then the tail. Each stream prefetches a quarter of kAheadBytes ahead, into the
+// next four rows' starts once past its row's end.
+inline void dot4(const float* w, const float* x, int64_t n, float* out) {
+  constexpr int64_t ahead = kAheadBytes / 4 / sizeof(float);
+  __m256 a[4], b[4];
+  for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // 16 floats: one 64-byte line of each row
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    const int64_t next = i + ahead;
+    for (int r = 0; r < 4; ++r) {
+      prefetch(next < n ? w + r * n + next : w + (4 + r) * n + (next - n));
+      a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * n + i), x0, a[r]);
+      b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * n + i + 8), x1, b[r]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = horizontal_sum(_mm256_add_ps(a[r], b[r])) + dot(w + r * n + i, x + i, n - i);
+}
+
+// y[r] = (sum_i w[r·n + i] · x[i]) · scale[r] for the weight rows r in [begin, end) (scale null: no
+// scale): a batch-1 decode step's product of one float32 row with a float32, int8 (weight-only:
+// the row stays float32) or bfloat16 weight [rows, n]. Float32 rows four at a time (dot4); int8
+// and bfloat16 ones, which widen, one at a time (four rows of them were slower).
+template <typename T>
+inline void row_products(const T* w, const float* x, const float* scale, float* y, int64_t n, int64_t begin,
+                         int64_t end) {
+  int64_t r = begin;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; r + 4 <= end; r += 4) dot4(w + r * n, x, n, y + r);
+  }
+  for (; r < end; ++r) y[r] = dot(w + r * n, x, n);
+  if (scale != nullptr) {
+    for (r = begin; r < end; ++r) y[r] *= scale[r];
+  }
 }
 
 // exp(v) for eight floats: Cephes' expf (range reduction by ln 2, degree-5 polynomial; relative

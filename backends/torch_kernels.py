@@ -92,41 +92,9 @@ SOURCE = r"""
 
 namespace {
 """ + SHARED + r"""
-// sum_i w[r·n + i] * x[i] for four consecutive float32 weight rows r at once, into out[r]: each
-// load of x feeds four rows' FMAs and four weight streams are in flight; two accumulators of eight
-// lanes per row, then the tail. Each stream prefetches a quarter of kAheadBytes ahead, into the
-// next four rows' starts once past its row's end.
-inline void dot4(const float* w, const float* x, int64_t n, float* out) {
-  constexpr int64_t ahead = kAheadBytes / 4 / sizeof(float);
-  __m256 a[4], b[4];
-  for (int r = 0; r < 4; ++r) a[r] = b[r] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {  // 16 floats: one 64-byte line of each row
-    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-    const int64_t next = i + ahead;
-    for (int r = 0; r < 4; ++r) {
-      prefetch(next < n ? w + r * n + next : w + (4 + r) * n + (next - n));
-      a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * n + i), x0, a[r]);
-      b[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * n + i + 8), x1, b[r]);
-    }
-  }
-  for (int r = 0; r < 4; ++r) out[r] = horizontal_sum(_mm256_add_ps(a[r], b[r])) + dot(w + r * n + i, x + i, n - i);
-}
-
 template <typename T>
 void rows_times(const T* w, const float* x, const float* scale, float* y, int64_t out, int64_t n) {
-  at::parallel_for(0, out, 64, [&](int64_t begin, int64_t end) {
-    int64_t r = begin;
-    // float32 weights four rows at a time; int8 and bfloat16 ones, which widen, one at a time (four
-    // rows of them were slower)
-    if constexpr (std::is_same_v<T, float>) {
-      for (; r + 4 <= end; r += 4) dot4(w + r * n, x, n, y + r);
-    }
-    for (; r < end; ++r) y[r] = dot(w + r * n, x, n);
-    if (scale != nullptr) {
-      for (r = begin; r < end; ++r) y[r] *= scale[r];
-    }
-  });
+  at::parallel_for(0, out, 64, [&](int64_t begin, int64_t end) { row_products(w, x, scale, y, n, begin, end); });
 }
 
 at::Tensor row_gemv(const at::Tensor& row, const at::Tensor& weight, const c10::optional<at::Tensor>& scale) {

@@ -2,7 +2,8 @@
 RMSNorm agree with the array-API references where they read their inputs in place from wider rows,
 over channel counts that are not a multiple of the vector width and rows split over the pool; the
 native paths take them only in float32 and while they are on; a failed build warns once and leaves
-NumPy's ufunc paths; the built library is cached and reused."""
+NumPy's ufunc paths; the built library is cached and reused. The row product of a decode step with
+int8 and bfloat16 weights agrees with float64 and NumPy's tiles, and a step's row takes it."""
 
 from __future__ import annotations
 
@@ -253,3 +254,59 @@ def test_a_cached_library_anyone_else_could_have_written_is_built_again_not_load
         assert kernels.library() is not None
     assert not target.is_symlink() and target.read_bytes() != b"not a library"
     assert not target.stat().st_mode & 0o022
+
+
+def quantized_rows(out: int, n: int, seed: int):
+    """A float32 row, an int8 weight with its row scales and bfloat16 bits of a float32 weight."""
+    from portable_ssm.backends.numpy.quant import bfloat16_bits
+
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((1, n)).astype(np.float32), rng.integers(-127, 128, (out, n), dtype=np.int8),
+            (rng.random(out) + 0.5).astype(np.float32), bfloat16_bits(rng.standard_normal((out, n)).astype(np.float32)))
+
+
+@pytest.mark.parametrize(("out", "n"), [(1, 1), (37, 770), (1000, 5), (3352, 768), (5, 1536)])
+def test_row_product_widens_int8_and_bfloat16_weights_and_agrees_with_float64(library, out, n):
+    from portable_ssm.backends.numpy.quant import _widen
+
+    row, q, scale, bits = quantized_rows(out, n, seed=out + n)
+    wide = row[0].astype(np.float64)
+    for weight, s, ref in ((q, scale, (q.astype(np.float64) @ wide) * scale), (q, None, q.astype(np.float64) @ wide),
+                           (bits, None, _widen(bits).astype(np.float64) @ wide)):
+        y = kernels.row_product(row, weight, s)
+        assert y.dtype == np.float32 and y.shape == (1, out)
+        np.testing.assert_allclose(y[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_row_product_declines_what_it_does_not_read(library):
+    row, q, scale, bits = quantized_rows(8, 16, seed=0)
+    assert kernels.row_product(row, q.astype(np.float32), None) is None  # float32 weights keep the BLAS
+    assert kernels.row_product(row.astype(np.float64), q, scale) is None
+    assert kernels.row_product(np.concatenate([row, row]), q, scale) is None  # one row only
+    assert kernels.row_product(row[:, :8], q[:, :8], scale) is None  # a weight that is not contiguous
+    assert kernels.row_product(row, q, scale.astype(np.float64)) is None
+    assert kernels.row_product(row, q, scale[:4]) is None
+    assert kernels.row_product(row[:, :0], q[:, :0].copy(), scale).tolist() == [[0.0] * 8]  # in = 0: zeros
+
+
+def test_quantized_matmul_takes_the_row_product_for_one_row_and_agrees_with_the_tiles(library, monkeypatch):
+    """A decode step's row goes through the kernel; two rows and kernels off take the tiles; all agree."""
+    from portable_ssm.backends.numpy.quant import quantized_matmul
+
+    from portable_ssm.quantized import QuantizedWeight
+
+    row, q, scale, bits = quantized_rows(600, 768, seed=3)
+    calls: list[np.ndarray | None] = []
+    product = kernels.row_product
+    monkeypatch.setattr(kernels, "row_product", lambda *a: calls.append(product(*a)) or calls[-1])
+    for weight in (QuantizedWeight(q, scale, "int8", np.float32), QuantizedWeight(bits, None, "bfloat16", np.float32)):
+        calls.clear()
+        one = quantized_matmul(row, weight)
+        assert len(calls) == 1 and calls[0] is not None
+        two = quantized_matmul(np.concatenate([row, row]), weight)
+        monkeypatch.setenv(ENV, "0")
+        off = quantized_matmul(row, weight)
+        monkeypatch.delenv(ENV)
+        assert calls[-1] is None and calls[-2] is None  # two rows, then kernels off: the tiles
+        np.testing.assert_allclose(one, off, rtol=1e-5, atol=1e-5 * np.abs(off).max())
+        np.testing.assert_allclose(two, np.concatenate([off, off]), rtol=1e-5, atol=1e-5 * np.abs(off).max())

@@ -4,7 +4,9 @@
   (NumPy has no bfloat16 dtype);
 - :func:`quantized_matmul`: ``rows @ W.T`` for a quantized ``W``, widening it to float32 in tiles
   of QUANT_TILE_ROWS rows so each tile is multiplied while in cache and no float32 copy of the
-  whole matrix is made; the int8 scales multiply the output columns, not the weight.
+  whole matrix is made; the int8 scales multiply the output columns, not the weight. One float32
+  row (a batch-1 decode step) goes through the compiled row product instead
+  (:func:`.kernels.row_product`), which widens each weight as it reads it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from . import kernels
 
 #: Weight rows widened to float32 at a time by :func:`quantized_matmul` (512 × 768 floats: 1.5 MiB).
 QUANT_TILE_ROWS = 512
@@ -34,6 +38,9 @@ def _widen(data: np.ndarray) -> np.ndarray:
 def quantized_matmul(rows: np.ndarray, weight: Any) -> np.ndarray:
     """``rows [m, in]`` (float32) times the :class:`~portable_ssm.quantized.QuantizedWeight`
     ``weight [out, in]`` transposed: ``[m, out]`` float32, tile by tile of weight rows."""
+    one_row = kernels.row_product(rows, weight.data, weight.scale)  # a decode step's row: read in place
+    if one_row is not None:
+        return one_row
     n = weight.shape[0]
     out = np.empty((rows.shape[0], n), dtype=np.float32)
     for start in range(0, n, QUANT_TILE_ROWS):
