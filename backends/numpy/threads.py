@@ -76,8 +76,10 @@ def blas_sgemm() -> tuple[int, bool] | None:
     """``(address, ilp64)`` of that OpenBLAS's CBLAS ``sgemm`` (``ilp64``: it takes 64-bit integers),
     which NumPy's compiled scan calls inside :func:`one_blas_thread`; None where there is none."""
     library = _openblas_library()
+    if library is None:
+        return None
     for name, ilp64 in _SGEMM_SYMBOLS:
-        if library is not None and hasattr(library, name):
+        if hasattr(library, name):
             return ctypes.cast(getattr(library, name), ctypes.c_void_p).value, ilp64
     return None
 
@@ -86,8 +88,10 @@ def blas_sgemm() -> tuple[int, bool] | None:
 def _openblas() -> tuple[Callable[[], int], Callable[[int], None]] | None:
     """``(get, set)`` of the loaded OpenBLAS's thread count, or None (no OpenBLAS mapped)."""
     library = _openblas_library()
+    if library is None:
+        return None
     for get, set_ in _BLAS_SYMBOLS:
-        if library is not None and hasattr(library, get) and hasattr(library, set_):
+        if hasattr(library, get) and hasattr(library, set_):
             getter, setter = getattr(library, get), getattr(library, set_)
             getter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
             return getter, setter
