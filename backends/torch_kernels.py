@@ -10,17 +10,21 @@ bits. :data:`SOURCE` holds small C++ kernels instead:
 
 * ``row_gemv``: ``row [1, in] @ weight.T -> [1, out]`` in float32 for a float32, int8 (times a
   float32 scale per output row: weight-only, the row stays float32) or bfloat16 weight, four FMA
-  accumulators per weight row; a float32 weight four rows at a time instead, two accumulators each,
-  every load of the row feeding all four; the rows split over torch's intra-op threads, each
-  thread prefetching the weights 4 KiB ahead of its loads (the hardware prefetchers stop at every
-  4 KiB page);
+  accumulators per weight row; a float32 weight eight rows at a time instead, one accumulator
+  each, every load of the row feeding all eight; the rows split over torch's intra-op threads, each
+  thread prefetching the weights ahead of its loads (4 KiB; 1 KiB on each of the eight float32
+  rows: the hardware prefetchers stop at every 4 KiB page);
 * ``decode_step``: one layer's step after in_proj (:func:`portable_ssm.mixer.decode_step_ref`:
   conv, SiLU, Δ, state update, ``H @ C``, D skip and gate) for float32 tensors of any batch, the
   heads split over the threads, each new state row multiplied by C as it is written and streamed
   to memory past the caches (eager torch otherwise makes about twenty passes over the state and its
   temporaries; inductor's fused loops in a compiled step come close to the kernel);
-* ``decode_model``: the whole batch-1 step of a language model through the two above and the norm
-  kernel below, in one call;
+* ``decode_model``: the whole batch-1 step of a language model with the pieces of the two above
+  and of the norm kernel below, in one call and one parallel region: the threads meet at three
+  barriers a layer, with no ATen op, dispatch or allocation between the layers' kernels, where a
+  call of each kernel forked and joined the threads four times a layer (with float32 weights
+  eight rows at a time, a 130m LM's step 1.09x faster for float32 weights, 1.14x for int8, 1.12x
+  for bfloat16 on a 2-core VM, ``decode_model_ab.py --against 0e92e50``);
 * ``conv_silu`` and ``conv_silu_backward``: a forward's causal depthwise conv and SiLU for
   float32 tensors in one pass, x read in place from in_proj's output, and its gradients in one
   more (the pre-activations recomputed), the steps (forward) or channels (backward) split over
@@ -86,39 +90,58 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <omp.h>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 #include <type_traits>
 
 namespace {
 """ + SHARED + r"""
-template <typename T>
-void rows_times(const T* w, const float* x, const float* scale, float* y, int64_t out, int64_t n) {
-  at::parallel_for(0, out, 64, [&](int64_t begin, int64_t end) { row_products(w, x, scale, y, n, begin, end); });
+// A weight [out, in] as the row kernel reads it: float32, int8 (times a float32 scale per row, or
+// none) or bfloat16 bits, contiguous.
+struct RowWeight {
+  const void* data;
+  at::ScalarType type;
+  const float* scale;
+  int64_t out, in;
+};
+
+inline RowWeight row_weight(const at::Tensor& weight, const c10::optional<at::Tensor>& scale, int64_t in,
+                            const char* op, const std::string& name) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == in && weight.is_contiguous(), op, ": ", name,
+              " must be a contiguous [out, ", in, "], got ", weight.sizes());
+  const at::ScalarType type = weight.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kChar || type == at::kBFloat16, op, ": ", name,
+              " must be float32, int8 or bfloat16, got ", type);
+  const int64_t out = weight.size(0);
+  const float* s = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->dim() == 1 && scale->size(0) == out && scale->scalar_type() == at::kFloat &&
+                scale->is_contiguous(), op, ": ", name, "'s scale must be a contiguous float32 [", out, "]");
+    s = scale->data_ptr<float>();
+  }
+  return {weight.data_ptr(), type, s, out, in};
+}
+
+// y[r] = (w[r] · x)·scale[r] for the rows r in [begin, end) of w.
+inline void row_share(const RowWeight& w, const float* x, float* y, int64_t begin, int64_t end) {
+  switch (w.type) {
+    case at::kFloat: row_products(static_cast<const float*>(w.data), x, w.scale, y, w.in, begin, end); break;
+    case at::kChar: row_products(static_cast<const int8_t*>(w.data), x, w.scale, y, w.in, begin, end); break;
+    default: row_products(static_cast<const uint16_t*>(w.data), x, w.scale, y, w.in, begin, end); break;
+  }
 }
 
 at::Tensor row_gemv(const at::Tensor& row, const at::Tensor& weight, const c10::optional<at::Tensor>& scale) {
   TORCH_CHECK(row.dim() == 2 && row.size(0) == 1 && row.scalar_type() == at::kFloat && row.is_contiguous(),
               "row_gemv: row must be a contiguous float32 [1, in], got ", row.sizes(), " ", row.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == row.size(1) && weight.is_contiguous(),
-              "row_gemv: weight must be a contiguous [out, ", row.size(1), "], got ", weight.sizes());
-  const int64_t out = weight.size(0), n = weight.size(1);
-  const float* s = nullptr;
-  if (scale.has_value()) {
-    TORCH_CHECK(scale->dim() == 1 && scale->size(0) == out && scale->scalar_type() == at::kFloat &&
-                scale->is_contiguous(), "row_gemv: scale must be a contiguous float32 [", out, "]");
-    s = scale->data_ptr<float>();
-  }
-  at::Tensor y = at::empty({1, out}, row.options());
+  const RowWeight w = row_weight(weight, scale, row.size(1), "row_gemv", "weight");
+  at::Tensor y = at::empty({1, w.out}, row.options());
   const float* x = row.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  switch (weight.scalar_type()) {
-    case at::kFloat: rows_times(weight.data_ptr<float>(), x, s, yp, out, n); break;
-    case at::kChar: rows_times(weight.data_ptr<int8_t>(), x, s, yp, out, n); break;
-    case at::kBFloat16:
-      rows_times(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), x, s, yp, out, n); break;
-    default: TORCH_CHECK(false, "row_gemv: weight must be float32, int8 or bfloat16, got ", weight.scalar_type());
-  }
+  at::parallel_for(0, w.out, 64, [&](int64_t begin, int64_t end) { row_share(w, x, yp, begin, end); });
   return y;
 }
 
@@ -150,6 +173,67 @@ inline void check_f32(const at::Tensor& t, const char* name, int64_t dim) {
               " must be a contiguous float32 tensor of rank ", dim, ", got ", t.sizes(), " ", t.scalar_type());
 }
 
+// One row's conv step for `count` channels from cs [count, k] (the window), xin [count] (the new
+// inputs), taps w [count, k] and bias [count] (or null): the window shifted by the input into
+// ncs [count, k], act [count] = silu(taps · window + bias).
+inline void conv_step(const float* cs, const float* xin, const float* w, const float* bias, float* ncs, float* act,
+                      int64_t k, int64_t count) {
+  for (int64_t c = 0; c < count; ++c) {
+    const float* s = cs + c * k;
+    float* o = ncs + c * k;
+    float acc = 0.f;
+    for (int64_t j = 0; j + 1 < k; ++j) {
+      o[j] = s[j + 1];
+      acc += o[j] * w[c * k + j];
+    }
+    o[k - 1] = xin[c];
+    acc += xin[c] * w[c * k + k - 1];
+    act[c] = bias == nullptr ? acc : acc + bias[c];
+  }
+  silu_pass(act, count);
+}
+
+// One head of one row after the conv: Δ = clamp(softplus(dt + dt_bias), lo, hi), H' = exp(Δ·A)·H +
+// Δ·outer(x, B) into Hn [p, n] (streamed past the caches where `stream`), out [p] = (H' @ C + D·x)·silu(gate)
+// with D per channel (d [p]) or one d_all (d null).
+inline void head_step(float dt, float dt_bias, float A, float lo, float hi, const float* x, const float* B,
+                      const float* C, const float* H, float* Hn, bool stream, const float* d, float d_all,
+                      const float* gate, float* out, int64_t p, int64_t n) {
+  const float step = std::min(std::max(softplus1(dt + dt_bias), lo), hi);  // Δ
+  const float decay = std::exp(step * A);  // exp(Δ·A)
+  const __m256 vdecay = _mm256_set1_ps(decay);
+  for (int64_t i = 0; i < p; ++i) {  // H'[i, :] = decay·H[i, :] + Δ·x[i]·B, and H'[i, :] @ C
+    const float* hrow = H + i * n;
+    float* nrow = Hn + i * n;
+    const float feed = step * x[i];
+    const __m256 vfeed = _mm256_set1_ps(feed);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      if (j % 16 == 0) prefetch(hrow + j + kAheadBytes / sizeof(float));
+      __m256 v = _mm256_fmadd_ps(vfeed, _mm256_loadu_ps(B + j), _mm256_mul_ps(vdecay, _mm256_loadu_ps(hrow + j)));
+      if (stream) {
+        _mm256_stream_ps(nrow + j, v);
+      } else {
+        _mm256_storeu_ps(nrow + j, v);
+      }
+      acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(C + j), acc);
+    }
+    float dot = horizontal_sum(acc);
+    for (; j < n; ++j) {
+      nrow[j] = decay * hrow[j] + feed * B[j];
+      dot += nrow[j] * C[j];
+    }
+    out[i] = dot;
+  }
+  skip_and_gate(out, x, d, d_all, gate, p);
+}
+
+// Whether new states may be streamed past the caches (non-temporal stores): rows of n floats from
+// a 32-byte aligned buffer. They are read again only by the next token, after every weight has
+// passed through the caches, and ordinary stores would first read each line of the fresh buffer.
+inline bool streams(const float* Hn, int64_t n) { return reinterpret_cast<uintptr_t>(Hn) % 32 == 0 && n % 8 == 0; }
+
 // One token of one layer after in_proj (portable_ssm.mixer.decode_step_ref): the conv step and SiLU,
 // Δ = clamp(softplus(dt + dt_bias)), H' = exp(Δ·A)·H + Δ·outer(x, B), y = (H' @ C + D·x)·silu(z).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_step(
@@ -179,64 +263,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_step(
   at::Tensor y = at::empty({b, d_inner}, xBC.options());
   const float *xin = xBC.data_ptr<float>(), *cs = conv_state.data_ptr<float>(), *w = conv_weight.data_ptr<float>();
   float *ap = act.data_ptr<float>(), *ncs = new_conv.data_ptr<float>();
-  for (int64_t i = 0; i < b * conv_dim; ++i) {  // one channel of one row: shift the window in, dot the taps
-    const int64_t c = i % conv_dim;
-    const float* s = cs + i * k;
-    float* o = ncs + i * k;
-    float acc = 0.f;
-    for (int64_t j = 0; j + 1 < k; ++j) {
-      o[j] = s[j + 1];
-      acc += o[j] * w[c * k + j];
-    }
-    o[k - 1] = xin[i];
-    acc += xin[i] * w[c * k + k - 1];
-    ap[i] = bias == nullptr ? acc : acc + bias[c];
+  for (int64_t row = 0; row < b; ++row) {
+    conv_step(cs + row * conv_dim * k, xin + row * conv_dim, w, bias, ncs + row * conv_dim * k, ap + row * conv_dim, k,
+              conv_dim);
   }
-  silu_pass(ap, b * conv_dim);
   const float *dtp = dt.data_ptr<float>(), *zp = z.data_ptr<float>(), *H = ssm_state.data_ptr<float>();
   const float *dbp = dt_bias.data_ptr<float>(), *Ap = A.data_ptr<float>(), *Dp = D.data_ptr<float>();
   const bool d_per_channel = D.dim() == 2;
   float *Hn = new_ssm.data_ptr<float>(), *yp = y.data_ptr<float>();
   const float lo = static_cast<float>(low), hi = static_cast<float>(high);
-  // The new state goes straight to memory (non-temporal stores, where its rows are 32-byte aligned):
-  // it is read again only by the next token, after every weight has passed through the caches, and
-  // ordinary stores would first read each line of the fresh buffer.
-  const bool stream = reinterpret_cast<uintptr_t>(Hn) % 32 == 0 && n % 8 == 0;
+  const bool stream = streams(Hn, n);
   at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {  // one head of one row
       const int64_t row = bh / h, head = bh % h, group = head / (h / g);
-      const float step = std::min(std::max(softplus1(dtp[bh] + dbp[head]), lo), hi);  // Δ
-      const float decay = std::exp(step * Ap[head]);  // exp(Δ·A)
-      const float* x = ap + row * conv_dim + head * p;
-      const float* B = ap + row * conv_dim + d_inner + group * n;
-      const float* C = ap + row * conv_dim + d_inner + g * n + group * n;
-      float* out = yp + row * d_inner + head * p;
-      const __m256 vdecay = _mm256_set1_ps(decay);
-      for (int64_t i = 0; i < p; ++i) {  // H'[i, :] = decay·H[i, :] + Δ·x[i]·B, and H'[i, :] @ C
-        const float* hrow = H + (bh * p + i) * n;
-        float* nrow = Hn + (bh * p + i) * n;
-        const float feed = step * x[i];
-        const __m256 vfeed = _mm256_set1_ps(feed);
-        __m256 acc = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-          if (j % 16 == 0) prefetch(hrow + j + kAheadBytes / sizeof(float));
-          __m256 v = _mm256_fmadd_ps(vfeed, _mm256_loadu_ps(B + j), _mm256_mul_ps(vdecay, _mm256_loadu_ps(hrow + j)));
-          if (stream) {
-            _mm256_stream_ps(nrow + j, v);
-          } else {
-            _mm256_storeu_ps(nrow + j, v);
-          }
-          acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(C + j), acc);
-        }
-        float dot = horizontal_sum(acc);
-        for (; j < n; ++j) {
-          nrow[j] = decay * hrow[j] + feed * B[j];
-          dot += nrow[j] * C[j];
-        }
-        out[i] = dot;
-      }
-      skip_and_gate(out, x, d_per_channel ? Dp + head * p : nullptr, Dp[head], zp + row * d_inner + head * p, p);
+      const float* a = ap + row * conv_dim;
+      head_step(dtp[bh], dbp[head], Ap[head], lo, hi, a + head * p, a + d_inner + group * n,
+                a + d_inner + g * n + group * n, H + bh * p * n, Hn + bh * p * n, stream,
+                d_per_channel ? Dp + head * p : nullptr, Dp[head], zp + row * d_inner + head * p,
+                yp + row * d_inner + head * p, p, n);
     }
     _mm_sfence();  // the streamed rows are visible before the step returns
   });
@@ -858,11 +902,39 @@ inline void check_layers(at::TensorList list, int64_t layers, const char* name) 
               layers, "), got ", list.size());
 }
 
+inline void check_vector(const at::Tensor& t, const std::string& name, int64_t size) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == size && t.scalar_type() == at::kFloat && t.is_contiguous(), "decode_model: ",
+              name, " must be a contiguous float32 [", size, "], got ", t.sizes(), " ", t.scalar_type());
+}
+
+// Layer i of decode_model in raw pointers: its tensors, new states and sizes, checked at the entry.
+struct LayerView {
+  const float *norm, *conv_state, *conv_w, *conv_b, *dt_bias, *A_log, *D, *gate_norm, *H;
+  float *new_conv, *Hn;
+  RowWeight in, out;
+  int64_t h, conv_dim, k, n;
+  bool d_per_channel, stream;
+};
+
+// Thread t's share [begin, end) of `count` items among `threads`, the bounds inside multiples of `align`.
+inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t threads, int64_t align) {
+  auto bound = [&](int64_t i) { return i == threads ? count : count * i / threads / align * align; };
+  return {bound(t), bound(t + 1)};
+}
+
 // One token through the whole language model at batch 1 (portable_ssm.lm.decode: the residual
 // blocks with their mixers' steps, norm_f and the head), from the embedded token x [1, d_model].
 // Layer i's in_proj output is [z, xBC, dt] (no gated MLP, no projection biases); its gated norm
 // follows the gate (norm_before_gate=False). Weights are float32, int8 (with row scales) or
 // bfloat16; every other tensor float32. Returns (logits [1, rows], new conv states, new ssm states).
+//
+// Every check and allocation comes first; then one parallel region runs the whole token, its
+// threads meeting at three barriers a layer (in_proj's output complete, the heads' outputs
+// complete, out_proj's output complete) where a call per kernel forked and joined the threads
+// four times, with ATen's dispatch and allocations, between them. Each thread keeps its own copy
+// of the residual and of the normed rows (the same arithmetic on the same values: the same
+// floats), takes a share of each product's rows and of the heads, and computes the conv of the
+// groups' B and C channels itself (thread 0 writes their new window).
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_model(
     const at::Tensor& x, at::TensorList conv_states, at::TensorList ssm_states, at::TensorList norms,
     at::TensorList in_weights, const c10::List<c10::optional<at::Tensor>>& in_scales, at::TensorList conv_weights,
@@ -871,7 +943,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
     const c10::List<c10::optional<at::Tensor>>& out_scales, const at::Tensor& norm_f, const at::Tensor& head,
     const c10::optional<at::Tensor>& head_scale, double eps, double low, double high, int64_t ngroups,
     int64_t headdim) {
-  const int64_t layers = conv_states.size();
+  const int64_t layers = conv_states.size(), p = headdim, g = ngroups;
   check_f32(x, "x", 2);
   TORCH_CHECK(x.size(0) == 1, "decode_model: x must be one row [1, d_model], got ", x.sizes());
   for (auto [list, name] : {std::pair{ssm_states, "ssm_states"}, {norms, "norms"}, {in_weights, "in_weights"},
@@ -882,33 +954,109 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
   TORCH_CHECK(static_cast<int64_t>(in_scales.size()) == layers && static_cast<int64_t>(conv_biases.size()) == layers &&
               static_cast<int64_t>(out_scales.size()) == layers,
               "decode_model: in_scales, conv_biases and out_scales must hold one entry per layer (", layers, ")");
-  const float e = static_cast<float>(eps);
+  TORCH_CHECK(p > 0 && g > 0, "decode_model: headdim (", p, ") and ngroups (", g, ") must be positive");
+  const int64_t d = x.size(1);
+  std::vector<LayerView> views;
   std::vector<at::Tensor> convs, ssms;
-  at::Tensor residual = x, hidden;
+  int64_t widest = d, most_inner = 0, most_bc = 0, most_window = 0;  // the largest in_proj output, d_inner, B and C
   for (int64_t i = 0; i < layers; ++i) {
-    if (i > 0) residual = residual + hidden;
-    check_f32(norms[i], "norms[i]", 1); check_f32(gate_norms[i], "gate_norms[i]", 1);
-    TORCH_CHECK(norms[i].size(0) == x.size(1), "decode_model: norms[", i, "] must be [", x.size(1), "]");
-    const at::Tensor normed = gated_rms_norm(residual, c10::nullopt, norms[i], 1, e);
-    const at::Tensor zxbcdt = row_gemv(normed, in_weights[i], in_scales.get(i));
-    const int64_t h = dt_biases[i].size(0), d_inner = h * headdim, conv_dim = conv_weights[i].size(0);
-    TORCH_CHECK(zxbcdt.size(1) == d_inner + conv_dim + h && gate_norms[i].size(0) == d_inner,
-                "decode_model: layer ", i, "'s in_proj gives ", zxbcdt.size(1), " outputs, not [z, xBC, dt] = ",
-                d_inner + conv_dim + h);
-    auto [y, conv, ssm] = decode_step(
-        zxbcdt.narrow(1, d_inner, conv_dim), zxbcdt.narrow(1, d_inner + conv_dim, h), zxbcdt.narrow(1, 0, d_inner),
-        conv_states[i], ssm_states[i], conv_weights[i].reshape({conv_dim, -1}), conv_biases.get(i), dt_biases[i],
-        -at::exp(A_logs[i]), Ds[i], low, high, ngroups, headdim);
-    hidden = row_gemv(gated_rms_norm(y, c10::nullopt, gate_norms[i], ngroups, e), out_weights[i], out_scales.get(i));
-    TORCH_CHECK(hidden.size(1) == x.size(1), "decode_model: layer ", i, "'s out_proj gives ", hidden.size(1),
-                " outputs, not d_model = ", x.size(1));
-    convs.push_back(std::move(conv));
-    ssms.push_back(std::move(ssm));
+    const std::string at_ = "[" + std::to_string(i) + "]";
+    LayerView v{};
+    check_vector(norms[i], "norms" + at_, d);
+    v.in = row_weight(in_weights[i], in_scales.get(i), d, "decode_model", "in_weights" + at_);
+    TORCH_CHECK(dt_biases[i].dim() == 1, "decode_model: dt_biases", at_, " must be [nheads], got ",
+                dt_biases[i].sizes());
+    v.h = dt_biases[i].size(0);
+    const int64_t d_inner = v.h * p;
+    check_vector(dt_biases[i], "dt_biases" + at_, v.h);
+    check_vector(A_logs[i], "A_logs" + at_, v.h);
+    check_vector(gate_norms[i], "gate_norms" + at_, d_inner);
+    check_f32(conv_states[i], "conv_states[i]", 3); check_f32(ssm_states[i], "ssm_states[i]", 4);
+    v.conv_dim = conv_states[i].size(1), v.k = conv_states[i].size(2), v.n = ssm_states[i].size(3);
+    TORCH_CHECK(v.h > 0 && v.h % g == 0 && v.k > 0 && v.conv_dim == d_inner + 2 * g * v.n &&
+                conv_states[i].size(0) == 1 && ssm_states[i].size(0) == 1 && ssm_states[i].size(1) == v.h &&
+                ssm_states[i].size(2) == p, "decode_model: layer ", i, "'s states (conv ", conv_states[i].sizes(),
+                ", ssm ", ssm_states[i].sizes(), ") do not match its ", v.h, " heads of ", p, " channels in ", g,
+                " groups");
+    TORCH_CHECK(v.in.out == d_inner + v.conv_dim + v.h, "decode_model: layer ", i, "'s in_proj gives ", v.in.out,
+                " outputs, not [z, xBC, dt] = ", d_inner + v.conv_dim + v.h);
+    const at::Tensor& taps = conv_weights[i];
+    TORCH_CHECK(taps.scalar_type() == at::kFloat && taps.is_contiguous() && taps.dim() >= 1 &&
+                taps.size(0) == v.conv_dim && taps.numel() == v.conv_dim * v.k, "decode_model: conv_weights", at_,
+                " must be a contiguous float32 [", v.conv_dim, ", 1, ", v.k, "], got ", taps.sizes());
+    const at::Tensor& D = Ds[i];
+    TORCH_CHECK(D.scalar_type() == at::kFloat && D.is_contiguous() && D.dim() >= 1 && D.dim() <= 2 &&
+                D.size(0) == v.h && (D.dim() == 1 || D.size(1) == p), "decode_model: Ds", at_, " must be [", v.h,
+                "] or [", v.h, ", ", p, "] float32, got ", D.sizes());
+    const c10::optional<at::Tensor> bias = conv_biases.get(i);
+    if (bias.has_value()) check_vector(*bias, "conv_biases" + at_, v.conv_dim);
+    v.out = row_weight(out_weights[i], out_scales.get(i), d_inner, "decode_model", "out_weights" + at_);
+    TORCH_CHECK(v.out.out == d, "decode_model: layer ", i, "'s out_proj gives ", v.out.out, " outputs, not d_model = ",
+                d);
+    convs.push_back(at::empty_like(conv_states[i]));
+    ssms.push_back(at::empty_like(ssm_states[i]));
+    v.norm = norms[i].data_ptr<float>(), v.conv_state = conv_states[i].data_ptr<float>();
+    v.conv_w = taps.data_ptr<float>(), v.conv_b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    v.dt_bias = dt_biases[i].data_ptr<float>(), v.A_log = A_logs[i].data_ptr<float>(), v.D = D.data_ptr<float>();
+    v.gate_norm = gate_norms[i].data_ptr<float>(), v.H = ssm_states[i].data_ptr<float>();
+    v.new_conv = convs.back().data_ptr<float>(), v.Hn = ssms.back().data_ptr<float>();
+    v.d_per_channel = D.dim() == 2, v.stream = streams(v.Hn, v.n);
+    views.push_back(v);
+    widest = std::max(widest, v.in.out), most_inner = std::max(most_inner, d_inner);
+    most_bc = std::max(most_bc, 2 * g * v.n), most_window = std::max(most_window, 2 * g * v.n * v.k);
   }
-  check_f32(norm_f, "norm_f", 1);
-  TORCH_CHECK(norm_f.size(0) == x.size(1), "decode_model: norm_f must be [", x.size(1), "], got ", norm_f.sizes());
-  const at::Tensor out = gated_rms_norm(layers > 0 ? residual + hidden : x, c10::nullopt, norm_f, 1, e);
-  return {row_gemv(out, head, head_scale), convs, ssms};
+  check_vector(norm_f, "norm_f", d);
+  const RowWeight lm_head = row_weight(head, head_scale, d, "decode_model", "head");
+  at::Tensor logits = at::empty({1, lm_head.out}, x.options());
+  std::vector<float> zxbcdt(widest), act(most_inner), y(most_inner), hidden(d);
+  const float *x0 = x.data_ptr<float>(), *final_norm = norm_f.data_ptr<float>();
+  float* out = logits.data_ptr<float>();
+  const float lo = static_cast<float>(low), hi = static_cast<float>(high);
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    std::vector<float> residual(x0, x0 + d), normed(d), gated(most_inner), bc(most_bc), spare(most_window);
+    for (int64_t i = 0; i < layers; ++i) {
+      const LayerView& L = views[i];
+      const int64_t d_inner = L.h * p, k = L.k, n = L.n;
+      if (i > 0) {
+        for (int64_t c = 0; c < d; ++c) residual[c] += hidden[c];
+      }
+      norm_rows(residual.data(), d, nullptr, 0, L.norm, normed.data(), d, d, eps, 0, 1);
+      const auto [r0, r1] = share(L.in.out, t, team, 8);
+      row_share(L.in, normed.data(), zxbcdt.data(), r0, r1);
+#pragma omp barrier
+      const float* xBC = zxbcdt.data() + d_inner;  // [x (d_inner), B (g·n), C (g·n)]
+      conv_step(L.conv_state + d_inner * k, xBC + d_inner, L.conv_w + d_inner * k,
+                L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, t == 0 ? L.new_conv + d_inner * k : spare.data(),
+                bc.data(), k, 2 * g * n);
+      const auto [h0, h1] = share(L.h, t, team, 1);
+      conv_step(L.conv_state + h0 * p * k, xBC + h0 * p, L.conv_w + h0 * p * k,
+                L.conv_b == nullptr ? nullptr : L.conv_b + h0 * p, L.new_conv + h0 * p * k, act.data() + h0 * p, k,
+                (h1 - h0) * p);
+      for (int64_t hd = h0; hd < h1; ++hd) {
+        const int64_t group = hd / (L.h / g);
+        head_step(zxbcdt[d_inner + L.conv_dim + hd], L.dt_bias[hd], -std::exp(L.A_log[hd]), lo, hi,
+                  act.data() + hd * p, bc.data() + group * n, bc.data() + (g + group) * n, L.H + hd * p * n,
+                  L.Hn + hd * p * n, L.stream, L.d_per_channel ? L.D + hd * p : nullptr, L.D[hd],
+                  zxbcdt.data() + hd * p, y.data() + hd * p, p, n);
+      }
+      _mm_sfence();  // the streamed rows are visible before the step returns
+#pragma omp barrier
+      norm_rows(y.data(), d_inner, nullptr, 0, L.gate_norm, gated.data(), d_inner, d_inner / g, eps, 0, 1);
+      const auto [o0, o1] = share(d, t, team, 8);
+      row_share(L.out, gated.data(), hidden.data(), o0, o1);
+#pragma omp barrier
+    }
+    if (layers > 0) {
+      for (int64_t c = 0; c < d; ++c) residual[c] += hidden[c];
+    }
+    norm_rows(residual.data(), d, nullptr, 0, final_norm, normed.data(), d, d, eps, 0, 1);
+    const auto [v0, v1] = share(lm_head.out, t, team, 8);
+    row_share(lm_head, normed.data(), out, v0, v1);
+  }
+  return {logits, convs, ssms};
 }
 
 }  // namespace
@@ -1220,7 +1368,7 @@ def decode_model(x: torch.Tensor, conv_states: list[torch.Tensor], ssm_states: l
                  headdim: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One decode step of a whole language model at batch 1 in one call: :func:`portable_ssm.lm.decode`
     after the embedding (each layer's norm, in_proj, :func:`decode_step`, gated norm, out_proj and
-    residual, then norm_f and the head, the products through ``row_gemv``), for ``x [1, d_model]``
+    residual, then norm_f and the head, the products ``row_gemv``'s), for ``x [1, d_model]``
     float32 and contiguous float32 tensors (the weights also int8 with row scales or bfloat16). The
     variant it computes: in_proj's output ``[z, xBC, dt]`` (no gated MLP), no projection biases, the
     gated norm after the gate. Returns ``(logits [1, rows], new conv states, new ssm states)``; the

@@ -50,7 +50,7 @@ def _matrix(rows: int, cols: int, seed: int) -> torch.Tensor:
 @requires_kernel
 @pytest.mark.parametrize("cols", [8, 13, 64, 77, 768])  # the 32-wide loop, the 8-wide one, the scalar tail
 @pytest.mark.parametrize("kind", ["float32", "int8", "bfloat16"])
-@pytest.mark.parametrize("rows", [3, 300])  # float32: fewer than the four rows a pass takes; groups of four and a rest
+@pytest.mark.parametrize("rows", [3, 13, 300])  # float32: fewer than a pass of four rows; eight, four and a rest
 def test_row_kernel_equals_the_reference_product_for_every_weight_kind_and_width(kernel, kind, cols, rows):
     w, row = _matrix(rows, cols, seed=1), _matrix(1, cols, seed=2)
     if kind == "float32":
@@ -917,6 +917,56 @@ def test_whole_model_kernel_refuses_lists_of_the_wrong_length(kernel):
     with pytest.raises(RuntimeError, match="x must be one row"):
         kernel.decode_model(torch.zeros(2, config.d_model), list(state.conv), list(state.ssm), weights, 1e-5,
                             (0.0, 1.0), 2, 16)
+
+
+@requires_kernel
+def test_whole_model_kernel_names_the_layer_tensor_it_refuses(kernel):
+    config = ps.Mamba2Config(**_SMALL_LM)
+    weights = backend._model_weights(ps.init_params(config, seed=0, backend="torch"), config)
+    state = ps.empty_state(config, 1, weights.norm_f)
+    conv, ssm = list(state.conv), list(state.ssm)
+
+    def swap(field: str, i: int, value: torch.Tensor) -> torch_kernels.ModelWeights:
+        return weights._replace(**{field: [value if j == i else t for j, t in enumerate(getattr(weights, field))]})
+
+    cases = [
+        (swap("in_weights", 1, weights.in_weights[1].double()), conv, ssm, r"in_weights\[1\] must be float32, int8"),
+        (swap("in_weights", 1, weights.in_weights[1][:-1].contiguous()), conv, ssm, "layer 1's in_proj gives"),
+        (swap("out_weights", 0, weights.out_weights[0][:-1].contiguous()), conv, ssm, "layer 0's out_proj gives"),
+        (swap("norms", 0, weights.norms[0].double()), conv, ssm, r"norms\[0\] must be a contiguous float32"),
+        (swap("Ds", 1, weights.Ds[1][:-1]), conv, ssm, r"Ds\[1\] must be"),
+        (swap("conv_weights", 0, weights.conv_weights[0][:, :, :-1].contiguous()), conv, ssm,
+         r"conv_weights\[0\] must be"),
+        (weights._replace(head=weights.head[:, :-1].contiguous()), conv, ssm, "head must be a contiguous"),
+        (weights, conv, [ssm[0], ssm[1][:, :, :-1].contiguous()], "layer 1's states"),
+    ]
+    for w, c, h, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            kernel.decode_model(torch.zeros(1, config.d_model), c, h, w, 1e-5, (0.0, float("inf")), config.ngroups,
+                                config.headdim)
+
+
+@requires_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])  # 5: more threads than the 4 heads and the 32 rows' shares of 8
+def test_whole_model_step_gives_the_array_api_step_on_any_number_of_threads(kernel, monkeypatch, threads):
+    config = ps.Mamba2Config(**_SMALL_LM)
+    params = ps.init_params(config, seed=6, backend="torch")
+    ids = torch.from_numpy(np.random.default_rng(7).integers(0, 50, (1, 9)))
+    _, state = ps.lm.logits(ids, params, config=config, return_state=True)
+    before = [t.clone() for t in state.conv + state.ssm]
+    calls, saved = _count_model_steps(monkeypatch), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            got, got_state = ps.lm.logits_step(ids[:, -1], state, params, config=config)
+    finally:
+        torch.set_num_threads(saved)
+    assert calls == [1]
+    want, want_state = _reference_step(monkeypatch, ids[:, -1], state, params, config)
+    assert rel_err(got.numpy(), want.numpy()) < 2e-6
+    for g_, w in zip(got_state.ssm + got_state.conv, want_state.ssm + want_state.conv):
+        assert rel_err(g_.numpy(), w.numpy()) < 2e-6
+    assert all(torch.equal(t, b) for t, b in zip(state.conv + state.ssm, before))  # the inputs untouched
 
 
 @requires_kernel
