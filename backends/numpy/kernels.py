@@ -21,9 +21,12 @@ Float32 weights keep OpenBLAS's sgemv, which reads them about as fast as that ke
 The library is compiled on first use with the C++ compiler (``$CXX``, else ``c++``, ``g++`` or
 ``clang++``; a few seconds, once) and cached as ``numpy_kernels_<hash>.so`` under
 ``$PORTABLE_SSM_CACHE`` (default ``$XDG_CACHE_HOME/portable_ssm``, i.e. ``~/.cache/portable_ssm``), the
-hash covering the source, the flags and the compiler; it is written under a temporary name and
-renamed into place, so processes building at once never load a torn file; a cached file that is not
-a regular file of this user's, writable by no one else, is built again over, never loaded. The
+hash covering the source, the flags and the compiler, beside a record of its size and sha256
+(:mod:`portable_ssm.backends.kernel_cache`: each written to a temporary file, fsync'd and renamed
+into place). It is loaded only where it is a regular file of this user's, writable by no one else,
+whose size and sha256 are the record's: anything else (a truncated file, which ``dlopen`` would map
+and the first call would die of with SIGBUS, flipped bytes, a missing or lying record, a link, FIFO
+or folder) is built again over, with one warning naming the file. The
 kernels are used only where they can be: an x86-64 CPU with AVX2 and FMA (as NumPy reports its CPU features) and
 ``PORTABLE_SSM_CPU_KERNELS`` not ``0``. Where no compiler is found or the build fails, one warning
 says why and NumPy's ufunc paths and scan loop stay; nothing else changes. Float64 always takes
@@ -38,7 +41,6 @@ import math
 import os
 import platform
 import shutil
-import stat
 import subprocess
 import tempfile
 import threading
@@ -51,6 +53,8 @@ import numpy as np
 from portable_ssm import ssd
 
 from ..cpu_source import ENV, SHARED, SIMD_FLAGS, head_block
+from ..kernel_cache import CACHE_ENV as CACHE_ENV  # the cache folder's variable, as before
+from ..kernel_cache import cache_dir, damage, locked, store
 from .threads import blas_sgemm, row_ranges, run_all, workers
 
 SOURCE = r"""
@@ -154,8 +158,6 @@ double portable_ssm_scan_forward(const int64_t* sizes, void* const* pointers, do
 
 #: The flags: the shared SIMD ones, as a position-independent shared library.
 CXXFLAGS = (*SIMD_FLAGS, "-std=c++17", "-shared", "-fPIC")
-#: The environment variable naming the folder the built library is cached in.
-CACHE_ENV = "PORTABLE_SSM_CACHE"
 #: Steps or rows a worker takes at least.
 MIN_ROWS = 16
 #: The quantized weight storage :func:`row_product` reads, by its kind number in the library.
@@ -206,17 +208,18 @@ def compiler() -> str | None:
     return None
 
 
-def cache_dir() -> Path:
-    """Where the built library is kept: ``$PORTABLE_SSM_CACHE``, else ``$XDG_CACHE_HOME/portable_ssm``
-    (``~/.cache/portable_ssm``)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "portable_ssm"
+def library_path(cxx: str) -> Path:
+    """Where the library built by ``cxx`` is cached: ``numpy_kernels_<key>.so`` under
+    :func:`.kernel_cache.cache_dir`, the key covering the source, the flags, the compiler and the
+    machine."""
+    key = hashlib.sha256("\0".join([SOURCE, *CXXFLAGS, cxx, platform.machine()]).encode()).hexdigest()[:16]
+    return cache_dir() / f"numpy_kernels_{key}.so"
 
 
 def _build(cxx: str, target: Path) -> None:
-    """Compile :data:`SOURCE` into ``target``: into a temporary file beside it, then renamed over it."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Compile :data:`SOURCE` into a temporary folder, then store it as ``target`` with its record
+    (:func:`.kernel_cache.store`: written whole, fsync'd, renamed; one process at a time)."""
+    target.parent.mkdir(parents=True, exist_ok=True)  # first: an unwritable cache costs no compile
     with tempfile.TemporaryDirectory() as work:
         source = Path(work) / "numpy_kernels.cpp"
         source.write_text(SOURCE)
@@ -226,48 +229,59 @@ def _build(cxx: str, target: Path) -> None:
         if result.returncode != 0:
             raise RuntimeError(f"{Path(cxx).name} exited with {result.returncode}: "
                                f"{(result.stderr.strip().splitlines() or [''])[0]}")
-        fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".partial")
+        with locked(target):  # the library and its record from one build, never two
+            store(target, built.read_bytes())
+
+
+def _bind(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` loaded, its functions' signatures set."""
+    library = ctypes.CDLL(str(path))
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
+    return library
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _cached(cxx: str) -> tuple[ctypes.CDLL, str | None]:
+    """The cached library, loaded only where :func:`.kernel_cache.damage` finds it whole, else built
+    (again) first; with why the cached one was not loaded (None where it was, or was not there)."""
+    target = library_path(cxx)
+    reason = damage(target)
+    if reason is None:
         try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(built.read_bytes())
-            os.replace(partial, target)
-        except BaseException:
-            Path(partial).unlink(missing_ok=True)
-            raise
-
-
-def _trusted(path: Path) -> bool:
-    """Whether ``path`` is a cached library this process may load: a regular file (not a link) owned
-    by this user that no one else may write. Anything else is built again over it, so a file another
-    user planted in a shared cache folder is never loaded."""
+            return _bind(target), None
+        except (OSError, AttributeError) as error:  # whole as written, yet no library of ours
+            reason = f"it could not be loaded: {_first_line(error)}"
     try:
-        status = path.lstat()
-    except OSError:
-        return False
-    owner = os.getuid() if hasattr(os, "getuid") else status.st_uid
-    return stat.S_ISREG(status.st_mode) and status.st_uid == owner and not status.st_mode & 0o022
+        _build(cxx, target)
+        return _bind(target), None if reason == "missing" else reason
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as error:
+        if reason == "missing":
+            raise
+        raise RuntimeError(f"the cached {target} was damaged ({reason}), building it again: "
+                           f"{_first_line(error)}") from error
 
 
 def _load() -> ctypes.CDLL | None:
-    """The library, built first where it is not cached yet; None (and a warning why) where it cannot be."""
+    """The library, built first where it is not cached whole yet; None (and a warning why) where it
+    cannot be. A damaged cached library is built again over with one warning naming it."""
     cxx = compiler()
     try:
         if cxx is None:
             raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
-        key = hashlib.sha256("\0".join([SOURCE, *CXXFLAGS, cxx, platform.machine()]).encode()).hexdigest()[:16]
-        target = cache_dir() / f"numpy_kernels_{key}.so"
-        if not _trusted(target):
-            _build(cxx, target)
-        library = ctypes.CDLL(str(target))
-        for name, argtypes in _SIGNATURES.items():
-            function = getattr(library, name)
-            function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
+        library, damaged = _cached(cxx)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as error:
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        warnings.warn(f"portable_ssm: NumPy's CPU kernels could not be built ({first_line}); NumPy's conv, norm "
-                      f"and scan use its ufuncs and loop (set {ENV}=0 to skip the attempt)", RuntimeWarning,
+        warnings.warn(f"portable_ssm: NumPy's CPU kernels could not be built ({_first_line(error)}); NumPy's conv, "
+                      f"norm and scan use its ufuncs and loop (set {ENV}=0 to skip the attempt)", RuntimeWarning,
                       stacklevel=4)
         return None
+    if damaged is not None:
+        warnings.warn(f"portable_ssm: the cached NumPy kernel library {library_path(cxx)} was damaged ({damaged}); "
+                      "it was built again", RuntimeWarning, stacklevel=4)
     return library
 
 
