@@ -158,6 +158,9 @@ double portable_ssm_scan_forward(const int64_t* sizes, void* const* pointers, do
 
 #: The flags: the shared SIMD ones, as a position-independent shared library.
 CXXFLAGS = (*SIMD_FLAGS, "-std=c++17", "-shared", "-fPIC")
+#: Heads per pass of the native scan (NumPy's loop and this one's work items): a block's state and a
+#: chunk's decays stay in L2.
+SCAN_HEAD_BLOCK = 12
 #: Steps or rows a worker takes at least.
 MIN_ROWS = 16
 #: The quantized weight storage :func:`row_product` reads, by its kind number in the library.
@@ -380,13 +383,15 @@ def _packed_rows(a: np.ndarray) -> np.ndarray:
 
 
 def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray, chunk: int,
-                initial_states: np.ndarray | None, D: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+                initial_states: np.ndarray | None, D: np.ndarray | None, *,
+                most_heads: int = SCAN_HEAD_BLOCK) -> tuple[np.ndarray, np.ndarray] | None:
     """The chunked scan ``(y [b, l, h, p], final state [b, h, p, n])`` of float32 ``x [b, l, h, p]``, Δ
     ``[b, l, h]``, A ``[h]``, B, C ``[b, l, g, n]``, D ``[h]``, ``[h, p]`` or None and initial states
     ``[b, h, p, n]`` or None in chunks of ``chunk`` steps, as :func:`.ops.ssd_chunked` computes it, in
     one C++ pass per block of heads (``scan_forward_item`` of the shared source, the kernel torch's
     CPU scan runs), the blocks over the pool and each chunk's products through the CBLAS sgemm of
-    NumPy's own BLAS (:func:`.threads.blas_sgemm`). A non-finite output (a non-finite input) runs it
+    NumPy's own BLAS (:func:`.threads.blas_sgemm`), in blocks of at most ``most_heads`` heads (the
+    caller's :data:`SCAN_HEAD_BLOCK`). A non-finite output (a non-finite input) runs it
     again with masked products, which keep it from the outputs before its step, as NumPy's loop
     does. None where the kernels or that sgemm are not usable, an input is not float32, or a size is 0."""
     lib, sgemm = library(), blas_sgemm()
@@ -401,9 +406,7 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     initial_states = None if initial_states is None else np.ascontiguousarray(initial_states)
     y = np.empty((b, l, h, p), dtype=np.float32)
     final = np.empty((b, h, p, n), dtype=np.float32)
-    from .ops import SCAN_HEAD_BLOCK
-
-    block = head_block(b, g, h, workers(), SCAN_HEAD_BLOCK)
+    block = head_block(b, g, h, workers(), most_heads)
     items = b * g * -(-(h // g) // block)
     address, ilp64 = sgemm
     pointers = (ctypes.c_void_p * 10)(*(None if v is None else v.ctypes.data

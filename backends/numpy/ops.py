@@ -26,6 +26,7 @@ from portable_ssm import ssd
 from portable_ssm._array import compute_dtype
 
 from . import kernels
+from .kernels import SCAN_HEAD_BLOCK  # read at each call: the loop and the compiled scan take it
 from .threads import row_ranges, run_all, workers
 
 #: Elements per tile of the native conv (``[b, steps, d]``) and gated RMSNorm (``[rows, d]``), at
@@ -33,8 +34,6 @@ from .threads import row_ranges, run_all, workers
 #: NumPy calls has work enough that the call's own cost stays small (a 130m layer's conv and norm at
 #: l=2048 on 2 threads took 16% and 20% less time than in tiles of 32 steps or rows).
 TILE_ELEMENTS = 1 << 18
-#: Heads per pass of the native scan: a block's state and a chunk's decays stay in L2.
-SCAN_HEAD_BLOCK = 12
 #: Chunks the native scan takes through each NumPy call (but the state passing's, one per chunk).
 SCAN_GROUP_CHUNKS = 4
 #: Rows of a projection or norm a worker takes at least.
@@ -225,7 +224,7 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     if seq_idx is not None:
         return ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
                                    xp=xp, seq_idx=seq_idx, D=D)
-    compiled = kernels.ssd_chunked(x, dt, A, B, C, chunk_size, initial_states, D)
+    compiled = kernels.ssd_chunked(x, dt, A, B, C, chunk_size, initial_states, D, most_heads=SCAN_HEAD_BLOCK)
     if compiled is not None:
         return compiled
     b, l, h, p = x.shape

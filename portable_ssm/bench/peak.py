@@ -18,6 +18,7 @@ import gc
 import json
 import subprocess
 import sys
+from typing import Any
 
 from ..config import Mamba2Config
 from ..host import retain_unless_disabled
@@ -55,6 +56,17 @@ def fresh_peak_mib(case: Case, backend: str) -> tuple[float, float] | None:
     return out[0], out[1]
 
 
+def case_inputs(case: Case) -> Any:
+    """The case's input: token ids for prefill and decode, else float32 embeddings (the same for
+    every backend); here, below :mod:`.runner`, so the timing run and the peak process build one."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    if case.part in ("prefill", "decode"):
+        return rng.integers(0, case.config.vocab_size, (case.batch, case.length))
+    return rng.standard_normal((case.batch, case.length, case.config.d_model)).astype(np.float32)
+
+
 def _reset_peak() -> None:
     """Hands freed heap memory back (glibc's ``malloc_trim``), so the call cannot grow into it
     unseen, and sets this process's VmHWM to its RSS (Linux >= 4.0; elsewhere nothing changes)."""
@@ -74,9 +86,8 @@ def _run(case: Case, backend: str, call: bool) -> int | None:
     ``call``, and returns this process's VmHWM in kB."""
     from ..params import init_params
     from .calls import decode, forward_fn, prefill_fn
-    from .runner import _inputs
 
-    params, inputs = init_params(case.config, seed=0), _inputs(case)
+    params, inputs = init_params(case.config, seed=0), case_inputs(case)
     gc.collect()
     _reset_peak()
     if case.part == "decode":

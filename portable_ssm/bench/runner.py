@@ -55,7 +55,7 @@ from .calls import (
     timed_steps,
 )
 from .llama import CONVERT_ENV, ROWS, LlamaCpp, greedy_run, prefill_calls, thread_count, unavailable
-from .peak import fresh_peak_mib
+from .peak import case_inputs, fresh_peak_mib
 from .quality import TRAIN_STEPS, QualityRow, quality_notes, quality_rows, train_pattern_lm
 from .report import Case, Row, proc_kib, write_results
 
@@ -171,17 +171,6 @@ def measure(fns: dict[Any, Callable[[], Any]], repeats: int, clock: Clock = time
                    None if None in peaks[name] else max(peaks[name]), out[name]) for name in fns}
 
 
-def _inputs(case: Case) -> Any:
-    """The case's input: token ids for prefill and decode, else float32 embeddings (the same for
-    every backend)."""
-    import numpy as np
-
-    rng = np.random.default_rng(1)
-    if case.part in ("prefill", "decode"):
-        return rng.integers(0, case.config.vocab_size, (case.batch, case.length))
-    return rng.standard_normal((case.batch, case.length, case.config.d_model)).astype(np.float32)
-
-
 def _applies(case: Case, backend: str) -> bool:
     """numpy-ref (numpy without its fast paths) runs forward rows only, the low-precision rows
     (``QUANTIZED_DECODE``) decode rows only, torch-compile forward, training and decode rows; training runs
@@ -243,7 +232,7 @@ def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock
     from ..params import init_params
 
     part, params = group[0].part, init_params(group[0].config, seed=0)
-    inputs = {case: _inputs(case) for case in group}
+    inputs = {case: case_inputs(case) for case in group}
     pairs = [(case, b) for case in group for b in backends if _applies(case, b)]
     rows, outputs = [], {}
     with _llama_models(group, params, llama) as models:
