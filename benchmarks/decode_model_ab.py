@@ -20,6 +20,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-KERNELS, SHARED_SOURCE = "backends/torch_kernels.py", "backends/cpu_source.py"
+KERNELS, SHARED_SOURCE, CPU_SOURCES = "backends/torch_kernels.py", "backends/cpu_source.py", "backends/cpu"
 
 
 def _show(rev: str, path: str, missing_ok: bool = False) -> str | None:
@@ -41,16 +42,31 @@ def _show(rev: str, path: str, missing_ok: bool = False) -> str | None:
     return shown.stdout
 
 
+def _cpu_sources_at(rev: str, folder: Path) -> dict[str, str]:
+    """The revision's C++ files under ``backends/cpu/`` (name -> text), written into ``folder``; empty
+    for a revision from before they moved out of Python strings."""
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{CPU_SOURCES}"],
+                            cwd=Path(__file__).resolve().parent, capture_output=True, text=True)
+    names = listed.stdout.split() if listed.returncode == 0 else []
+    files = {name: _show(rev, f"{CPU_SOURCES}/{name}") or "" for name in names}
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return files
+
+
 @contextlib.contextmanager
-def _sibling(name: str, text: str | None, filename: str) -> Iterator[None]:
+def _sibling(name: str, text: str | None, filename: str, file: Path) -> Iterator[None]:
     """While inside, ``import name`` (the relative import of the revision's kernel module) gives
-    ``text`` run as that module; nothing changes for None (a revision from before the C++ source
-    shared with NumPy's kernels moved out, whose kernel module holds it whole)."""
+    ``text`` run as that module (its ``__file__`` is ``file``, so it finds the C++ files written
+    beside it); nothing changes for None (a revision from before the C++ source shared with NumPy's
+    kernels moved out, whose kernel module holds it whole)."""
     if text is None:
         yield
         return
     module = types.ModuleType(name)
     module.__package__ = name.rpartition(".")[0]
+    module.__file__ = str(file)
     exec(compile(text, filename, "exec"), module.__dict__)
     saved = sys.modules.get(name)
     sys.modules[name] = module
@@ -65,7 +81,8 @@ def _sibling(name: str, text: str | None, filename: str) -> Iterator[None]:
 
 def kernel_at(rev: str) -> Callable[..., Any]:
     """:func:`portable_ssm.backends.torch_kernels.decode_model` as the kernel source at git revision
-    ``rev`` computes it (its SOURCE and CFLAGS, built under the op namespace of its source hash)."""
+    ``rev`` computes it (its SOURCE string, or from a later revision on its ``backends/cpu/`` files, and
+    its CFLAGS, built under the op namespace of its source hash)."""
     import torch
     from torch.utils import cpp_extension
 
@@ -73,12 +90,22 @@ def kernel_at(rev: str) -> Callable[..., Any]:
     module: dict[str, Any] = {"__name__": f"portable_ssm.backends.torch_kernels_at_{rev}",
                               "__package__": "portable_ssm.backends"}
     shared = _show(rev, SHARED_SOURCE, missing_ok=True)
-    with _sibling("portable_ssm.backends.cpu_source", shared, f"{rev}:{SHARED_SOURCE}"):
-        exec(compile(text, f"{rev}:{KERNELS}", "exec"), module)
-    namespace = "portable_ssm_cpu_" + hashlib.sha256(module["SOURCE"].encode()).hexdigest()[:12]
-    source = re.sub(r"\bportable_ssm_cpu\b", namespace, module["SOURCE"])
-    cpp_extension.load_inline(namespace, cpp_sources=[source], extra_cflags=list(module["CFLAGS"]),
-                              is_python_module=False)
+    with tempfile.TemporaryDirectory() as work:
+        files = _cpu_sources_at(rev, Path(work) / "cpu")
+        with _sibling("portable_ssm.backends.cpu_source", shared, f"{rev}:{SHARED_SOURCE}", Path(work) / "x.py"):
+            exec(compile(text, f"{rev}:{KERNELS}", "exec"), module)
+        if "SOURCE" in module:  # the C++ source in a Python string
+            namespace = "portable_ssm_cpu_" + hashlib.sha256(module["SOURCE"].encode()).hexdigest()[:12]
+            source = re.sub(r"\bportable_ssm_cpu\b", namespace, module["SOURCE"])
+            cpp_extension.load_inline(namespace, cpp_sources=[source], extra_cflags=list(module["CFLAGS"]),
+                                      is_python_module=False)
+        else:  # the C++ files under backends/cpu/: the ops' file renamed into its namespace, built beside them
+            every = "\0".join(f"{name}\0{body}" for name, body in sorted(files.items()))
+            namespace = "portable_ssm_cpu_" + hashlib.sha256(every.encode()).hexdigest()[:12]
+            ops = Path(work) / "cpu" / module["SOURCE_FILE"]
+            ops.write_text(re.sub(r"\bportable_ssm_cpu\b", namespace, ops.read_text()))
+            cpp_extension.load(namespace, sources=[str(ops)], extra_cflags=list(module["CFLAGS"]),
+                               is_python_module=False)
     op = getattr(torch.ops, namespace).decode_model
 
     def decode_model(x: Any, conv_states: Any, ssm_states: Any, weights: Any, eps: float,

@@ -40,6 +40,18 @@ def test_the_wheel_marks_the_package_typed_and_ships_its_kernels(wheel):
 
 
 @pytest.mark.slow
+def test_the_wheel_ships_every_cpu_kernel_source_the_builds_read(wheel):
+    from portable_ssm.backends.cpu_source import source_files
+
+    names = set(wheel.namelist())
+    sources = source_files()
+    assert {p.name for p in sources} >= {"shared.h", "torch_ops.cpp", "numpy_kernels.cpp"}
+    for path in sources:
+        assert f"portable_ssm/backends/cpu/{path.name}" in names, path.name
+        assert wheel.read(f"portable_ssm/backends/cpu/{path.name}") == path.read_bytes()
+
+
+@pytest.mark.slow
 def test_the_wheel_carries_the_apache_licence_and_its_spdx_expression(wheel):
     names = wheel.namelist()
     (licence,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")]

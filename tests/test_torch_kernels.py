@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -779,10 +780,11 @@ def test_failed_build_warns_once_and_leaves_torchs_kernels(monkeypatch):
     monkeypatch.setattr(torch_kernels, "_BUILT", [])
     monkeypatch.setattr(torch_kernels, "_ACTIVE", [False])
 
-    def no_compiler(*args, **kwargs):
+    def no_compiler(name, sources, **kwargs):
+        assert [Path(s).name for s in sources] == ["torch_ops.cpp"] and Path(sources[0]).is_file()
         raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
 
-    monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with pytest.warns(RuntimeWarning, match="could not be built \\(Ninja is required to load C\\+\\+ extensions\\)"):
         assert torch_kernels.ensure() is False
     assert torch_kernels.ensure() is False and not torch_kernels.ready()  # tried once: no second warning

@@ -5,23 +5,23 @@ NumPy's ufuncs make one pass over a tile per operation: the tiled conv with SiLU
 takes about a dozen, the norm about ten, the scan's loop about twenty per group of chunks, and at
 long prompts the three took half of a 130m layer's forward (63, 53 and 125 of 510 ms at l=8192 on 2
 threads, ``benchmarks/numpy_profile.py``). These kernels are the C++ loops of torch's CPU kernels
-(``conv_silu_steps``, ``norm_rows`` and ``scan_forward_item`` of
-:data:`portable_ssm.backends.cpu_source.SHARED`, written once for both backends) built into a plain
-shared library and called through ctypes, which releases the GIL for the call, so each worker of
-NumPy's pool (:mod:`.threads`) runs its range of rows (or the scan's blocks of heads) on its own
-core. The scan's matrix products go to the CBLAS ``sgemm`` of the OpenBLAS NumPy ships
-(:func:`.threads.blas_sgemm`, held at one thread per worker); where none is found the scan stays
-NumPy's loop. In that forward they took the conv to 13-22 ms, the norms to 23-24 and the scan to
-71-89 (the same command, the same VM). A batch-1 decode step's products with int8 or bfloat16
-weights (one float32 row: ``row_products``, the row kernel of torch's decode) widen each weight as
-they read it, where NumPy's path widens the weight tile by tile into float32 and multiplies those:
-the 130m LM's step went from 58 to 26 ms (int8) and from 84 to 33 ms (bfloat16) on a 2-core VM.
-Float32 weights keep OpenBLAS's sgemv, which reads them about as fast as that kernel.
+(``conv_silu_steps``, ``norm_rows`` and ``scan_forward_item`` of ``backends/cpu/shared.h``, written
+once for both backends) built from ``backends/cpu/numpy_kernels.cpp`` into a plain shared library
+and called through ctypes, which releases the GIL for the call, so each worker of NumPy's pool
+(:mod:`.threads`) runs its range of rows (or the scan's blocks of heads) on its own core. The scan's
+matrix products go to the CBLAS ``sgemm`` of the OpenBLAS NumPy ships (:func:`.threads.blas_sgemm`,
+held at one thread per worker); where none is found the scan stays NumPy's loop. In that forward
+they took the conv to 13-22 ms, the norms to 23-24 and the scan to 71-89 (the same command, the same
+VM). A batch-1 decode step's products with int8 or bfloat16 weights (one float32 row:
+``row_products``, the row kernel of torch's decode) widen each weight as they read it, where NumPy's
+path widens the weight tile by tile into float32 and multiplies those: the 130m LM's step went from
+58 to 26 ms (int8) and from 84 to 33 ms (bfloat16) on a 2-core VM. Float32 weights keep OpenBLAS's
+sgemv, which reads them about as fast as that kernel.
 
 The library is compiled on first use with the C++ compiler (``$CXX``, else ``c++``, ``g++`` or
 ``clang++``; a few seconds, once) and cached as ``numpy_kernels_<hash>.so`` under
 ``$PORTABLE_SSM_CACHE`` (default ``$XDG_CACHE_HOME/portable_ssm``, i.e. ``~/.cache/portable_ssm``), the
-hash covering the source, the flags and the compiler, beside a record of its size and sha256
+hash covering every source file, the flags and the compiler, beside a record of its size and sha256
 (:mod:`portable_ssm.backends.kernel_cache`: each written to a temporary file, fsync'd and renamed
 into place). It is loaded only where it is a regular file of this user's, writable by no one else,
 whose size and sha256 are the record's: anything else (a truncated file, which ``dlopen`` would map
@@ -36,7 +36,6 @@ those.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import os
 import platform
@@ -52,109 +51,13 @@ import numpy as np
 
 from portable_ssm import ssd
 
-from ..cpu_source import ENV, SHARED, SIMD_FLAGS, head_block
+from ..cpu_source import ENV, SIMD_FLAGS, head_block, source_key, source_path
 from ..kernel_cache import CACHE_ENV as CACHE_ENV  # the cache folder's variable, as before
 from ..kernel_cache import cache_dir, damage, locked, store
 from .threads import blas_sgemm, row_ranges, run_all, workers
 
-SOURCE = r"""
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-
-namespace {
-""" + SHARED + r"""
-}  // namespace
-
-namespace {
-
-using Sgemm64 = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
-                         float, float*, int64_t);
-using Sgemm32 = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
-
-// scan_forward_item's products through the CBLAS sgemm of NumPy's BLAS (row-major), one call per
-// matrix; ilp64: its integers are 64-bit (NumPy's scipy-openblas64 wheels), else 32-bit.
-struct BlasGemm {
-  void* sgemm;
-  bool ilp64;
-  void operator()(int64_t count, bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
-                  int64_t sa, const float* B, int64_t ldb, int64_t sb, float beta, float* C, int64_t ldc,
-                  int64_t sc) const {
-    constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-    const int opa = ta ? kTrans : kNoTrans, opb = tb ? kTrans : kNoTrans;
-    for (int64_t i = 0; i < count; ++i) {
-      if (ilp64) {
-        reinterpret_cast<Sgemm64>(sgemm)(kRowMajor, opa, opb, m, n, k, 1.f, A + i * sa, lda, B + i * sb, ldb, beta,
-                                         C + i * sc, ldc);
-      } else {
-        reinterpret_cast<Sgemm32>(sgemm)(kRowMajor, opa, opb, static_cast<int>(m), static_cast<int>(n),
-                                         static_cast<int>(k), 1.f, A + i * sa, static_cast<int>(lda), B + i * sb,
-                                         static_cast<int>(ldb), beta, C + i * sc, static_cast<int>(ldc));
-      }
-    }
-  }
-};
-
-}  // namespace
-
-extern "C" {
-
-// Positions [begin, end) of the b·l steps of y [b, l, d] = silu(causal depthwise conv of x): x's
-// channels contiguous, its steps xs floats apart and its rows xb; history [b, k-1, d], taps [k, d]
-// and bias [d] (or null) contiguous.
-void portable_ssm_conv_silu(const float* x, int64_t xb, int64_t xs, const float* history, const float* taps,
-                            const float* bias, float* y, int64_t l, int64_t d, int64_t k, int64_t begin,
-                            int64_t end) {
-  for (int64_t row = begin / l; row * l < end; ++row) {
-    const ConvRow r{x + row * xb, history + row * (k - 1) * d, taps, bias, l, d, k, xs};
-    conv_silu_steps(r, y + row * l * d, std::max(begin - row * l, int64_t{0}), std::min(end - row * l, l));
-  }
-}
-
-// Rows [begin, end) of out [rows, d] = rmsnorm(y·silu(z)) ⊙ w over groups of m channels: y's rows
-// ys floats apart, z's zs (z null: no gate), channels contiguous.
-void portable_ssm_gated_rms_norm(const float* y, int64_t ys, const float* z, int64_t zs, const float* w, float* out,
-                                 int64_t d, int64_t m, double eps, int64_t begin, int64_t end) {
-  norm_rows(y, ys, z, zs, w, out, d, m, eps, begin, end);
-}
-
-// Rows [begin, end) of y [rows] = (w [rows, n] @ x [n]) · scale [rows] (scale null: none), w's kind
-// 1: int8, 2: bfloat16 bits (uint16), all contiguous.
-void portable_ssm_row_product(const void* w, int64_t kind, const float* x, const float* scale, float* y, int64_t n,
-                              int64_t begin, int64_t end) {
-  if (kind == 1) {
-    row_products(static_cast<const int8_t*>(w), x, scale, y, n, begin, end);
-  } else {
-    row_products(static_cast<const uint16_t*>(w), x, scale, y, n, begin, end);
-  }
-}
-
-// Work items [begin, end) of the chunked scan's forward (scan_forward_item; items = b·g·blocks):
-// sizes = {b, l, h, p, g, n, xr, xl, br, bl, cr, cl, Q, block, d_per_channel, safe, ilp64} and
-// pointers = {x, dt, A, B, C, D, initial, y, final, sgemm} (D and initial may be null). Returns the
-// sum of the items' outputs and final entries in float64.
-double portable_ssm_scan_forward(const int64_t* sizes, void* const* pointers, double lowest, int64_t begin,
-                                 int64_t end) {
-  const int64_t* s = sizes;
-  const int64_t r = s[2] / s[4];
-  const auto in = [pointers](int i) { return static_cast<const float*>(pointers[i]); };
-  const ScanView view{s[0], s[1], s[2], s[3], s[4], s[5], r, in(0), in(1), in(2), in(3), in(4), in(5), in(6),
-                      s[14] != 0, s[6], s[7], s[8], s[9], s[10], s[11], static_cast<float*>(pointers[7]),
-                      static_cast<float*>(pointers[8]), s[12], s[13], (r + s[13] - 1) / s[13],
-                      static_cast<float>(lowest), s[15] != 0};
-  const BlasGemm gemm{pointers[9], s[16] != 0};
-  double total = 0.0;
-  for (int64_t item = begin; item < end; ++item) total += scan_forward_item(view, item, gemm);
-  return total;
-}
-
-}  // extern "C"
-"""
+#: The library's C++ source under :data:`.cpu_source.SOURCE_DIR` (it includes ``shared.h``).
+SOURCE_FILE = "numpy_kernels.cpp"
 
 #: The flags: the shared SIMD ones, as a position-independent shared library.
 CXXFLAGS = (*SIMD_FLAGS, "-std=c++17", "-shared", "-fPIC")
@@ -213,19 +116,17 @@ def compiler() -> str | None:
 
 def library_path(cxx: str) -> Path:
     """Where the library built by ``cxx`` is cached: ``numpy_kernels_<key>.so`` under
-    :func:`.kernel_cache.cache_dir`, the key covering the source, the flags, the compiler and the
-    machine."""
-    key = hashlib.sha256("\0".join([SOURCE, *CXXFLAGS, cxx, platform.machine()]).encode()).hexdigest()[:16]
-    return cache_dir() / f"numpy_kernels_{key}.so"
+    :func:`.kernel_cache.cache_dir`, the key (:func:`.cpu_source.source_key`) covering every source
+    file, the flags, the compiler and the machine."""
+    return cache_dir() / f"numpy_kernels_{source_key(*CXXFLAGS, cxx, platform.machine())}.so"
 
 
 def _build(cxx: str, target: Path) -> None:
-    """Compile :data:`SOURCE` into a temporary folder, then store it as ``target`` with its record
+    """Compile :data:`SOURCE_FILE` into a temporary folder, then store it as ``target`` with its record
     (:func:`.kernel_cache.store`: written whole, fsync'd, renamed; one process at a time)."""
     target.parent.mkdir(parents=True, exist_ok=True)  # first: an unwritable cache costs no compile
+    source = source_path(SOURCE_FILE)
     with tempfile.TemporaryDirectory() as work:
-        source = Path(work) / "numpy_kernels.cpp"
-        source.write_text(SOURCE)
         built = Path(work) / target.name
         result = subprocess.run([cxx, *CXXFLAGS, str(source), "-o", str(built)], capture_output=True, text=True,
                                 timeout=600, check=False)

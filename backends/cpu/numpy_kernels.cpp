@@ -1,0 +1,99 @@
+// NumPy's compiled kernels, a plain shared library called through ctypes: the conv with SiLU, the
+// gated RMSNorm, a decode step's product with a quantized weight and the chunked scan (its products
+// through the CBLAS sgemm of NumPy's BLAS). Built on first use by backends/numpy/kernels.py, which
+// documents them.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "shared.h"
+
+namespace {
+
+using Sgemm64 = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*, int64_t,
+                         float, float*, int64_t);
+using Sgemm32 = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+
+// scan_forward_item's products through the CBLAS sgemm of NumPy's BLAS (row-major), one call per
+// matrix; ilp64: its integers are 64-bit (NumPy's scipy-openblas64 wheels), else 32-bit.
+struct BlasGemm {
+  void* sgemm;
+  bool ilp64;
+  void operator()(int64_t count, bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* A, int64_t lda,
+                  int64_t sa, const float* B, int64_t ldb, int64_t sb, float beta, float* C, int64_t ldc,
+                  int64_t sc) const {
+    constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+    const int opa = ta ? kTrans : kNoTrans, opb = tb ? kTrans : kNoTrans;
+    for (int64_t i = 0; i < count; ++i) {
+      if (ilp64) {
+        reinterpret_cast<Sgemm64>(sgemm)(kRowMajor, opa, opb, m, n, k, 1.f, A + i * sa, lda, B + i * sb, ldb, beta,
+                                         C + i * sc, ldc);
+      } else {
+        reinterpret_cast<Sgemm32>(sgemm)(kRowMajor, opa, opb, static_cast<int>(m), static_cast<int>(n),
+                                         static_cast<int>(k), 1.f, A + i * sa, static_cast<int>(lda), B + i * sb,
+                                         static_cast<int>(ldb), beta, C + i * sc, static_cast<int>(ldc));
+      }
+    }
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// Positions [begin, end) of the b·l steps of y [b, l, d] = silu(causal depthwise conv of x): x's
+// channels contiguous, its steps xs floats apart and its rows xb; history [b, k-1, d], taps [k, d]
+// and bias [d] (or null) contiguous.
+void portable_ssm_conv_silu(const float* x, int64_t xb, int64_t xs, const float* history, const float* taps,
+                            const float* bias, float* y, int64_t l, int64_t d, int64_t k, int64_t begin,
+                            int64_t end) {
+  for (int64_t row = begin / l; row * l < end; ++row) {
+    const ConvRow r{x + row * xb, history + row * (k - 1) * d, taps, bias, l, d, k, xs};
+    conv_silu_steps(r, y + row * l * d, std::max(begin - row * l, int64_t{0}), std::min(end - row * l, l));
+  }
+}
+
+// Rows [begin, end) of out [rows, d] = rmsnorm(y·silu(z)) ⊙ w over groups of m channels: y's rows
+// ys floats apart, z's zs (z null: no gate), channels contiguous.
+void portable_ssm_gated_rms_norm(const float* y, int64_t ys, const float* z, int64_t zs, const float* w, float* out,
+                                 int64_t d, int64_t m, double eps, int64_t begin, int64_t end) {
+  norm_rows(y, ys, z, zs, w, out, d, m, eps, begin, end);
+}
+
+// Rows [begin, end) of y [rows] = (w [rows, n] @ x [n]) · scale [rows] (scale null: none), w's kind
+// 1: int8, 2: bfloat16 bits (uint16), all contiguous.
+void portable_ssm_row_product(const void* w, int64_t kind, const float* x, const float* scale, float* y, int64_t n,
+                              int64_t begin, int64_t end) {
+  if (kind == 1) {
+    row_products(static_cast<const int8_t*>(w), x, scale, y, n, begin, end);
+  } else {
+    row_products(static_cast<const uint16_t*>(w), x, scale, y, n, begin, end);
+  }
+}
+
+// Work items [begin, end) of the chunked scan's forward (scan_forward_item; items = b·g·blocks):
+// sizes = {b, l, h, p, g, n, xr, xl, br, bl, cr, cl, Q, block, d_per_channel, safe, ilp64} and
+// pointers = {x, dt, A, B, C, D, initial, y, final, sgemm} (D and initial may be null). Returns the
+// sum of the items' outputs and final entries in float64.
+double portable_ssm_scan_forward(const int64_t* sizes, void* const* pointers, double lowest, int64_t begin,
+                                 int64_t end) {
+  const int64_t* s = sizes;
+  const int64_t r = s[2] / s[4];
+  const auto in = [pointers](int i) { return static_cast<const float*>(pointers[i]); };
+  const ScanView view{s[0], s[1], s[2], s[3], s[4], s[5], r, in(0), in(1), in(2), in(3), in(4), in(5), in(6),
+                      s[14] != 0, s[6], s[7], s[8], s[9], s[10], s[11], static_cast<float*>(pointers[7]),
+                      static_cast<float*>(pointers[8]), s[12], s[13], (r + s[13] - 1) / s[13],
+                      static_cast<float>(lowest), s[15] != 0};
+  const BlasGemm gemm{pointers[9], s[16] != 0};
+  double total = 0.0;
+  for (int64_t item = begin; item < end; ++item) total += scan_forward_item(view, item, gemm);
+  return total;
+}
+
+}  // extern "C"
