@@ -71,8 +71,10 @@ from __future__ import annotations
 import math
 import os
 import platform
+import sys
 import warnings
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -107,12 +109,27 @@ _BUILT: list[bool] = []  # empty until the first build attempt, then whether it 
 _ACTIVE = [False]  # whether the kernel is loaded and enabled, as ensure() last found
 
 
+def build_folder(name: str) -> Path | None:
+    """The folder torch's ``cpp_extension`` builds extension ``name`` in (None where this torch's
+    private helper for it is gone)."""
+    from torch.utils import cpp_extension
+
+    try:
+        return Path(cpp_extension._get_build_directory(name, verbose=False))
+    except (AttributeError, TypeError, OSError):
+        return None
+
+
 def _build() -> bool:
     """Compile and load :data:`SOURCE_FILE` (True), or warn why it could not be (False)."""
     from torch.utils import cpp_extension
 
     try:
         name = "portable_ssm_cpu_" + source_key(*CFLAGS)
+        folder = build_folder(name)
+        if folder is None or not (folder / f"{name}.so").is_file():
+            print(f"portable_ssm: building torch's CPU kernels (once, about a minute) into {folder or name}",
+                  file=sys.stderr, flush=True)
         cpp_extension.load(name, sources=[str(source_path(SOURCE_FILE))], extra_cflags=list(CFLAGS),
                            is_python_module=False, verbose=False)
     except Exception as error:  # no compiler or ninja, or a failed build: torch's kernels stay

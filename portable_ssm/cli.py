@@ -248,9 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst", help="the .safetensors file to write (other suffixes are refused)")
     _add_backend_args(conv)
 
+    commands.add_parser("build-kernels", help="build the CPU kernels now, not at the first call",
+                        description="Build NumPy's and torch's CPU kernels into their caches (once; a later "
+                                    "upgrade whose sources differ builds again).")
     commands.add_parser("bench", add_help=False, help="benchmarks (arguments go to portable_ssm.bench; "
                         "see portable-ssm bench --help)")
     return parser
+
+
+def _build_kernels(args: argparse.Namespace, out: TextIO) -> int:
+    from portable_ssm.backends.kernel_build import build_kernels
+
+    return build_kernels(out)
 
 
 def _add_backend_args(parser: argparse.ArgumentParser) -> None:
@@ -278,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(argv)
         command = args.command
-        action = {"generate": _generate, "info": _info, "convert": _convert}[command]
+        action = {"generate": _generate, "info": _info, "convert": _convert, "build-kernels": _build_kernels}[command]
         run = lambda: action(args, sys.stdout)  # noqa: E731
     try:
         retain_unless_disabled()

@@ -78,6 +78,8 @@ class Cache:
         assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr[-2000:]}"
         report = json.loads(done.stdout.strip().splitlines()[-1])
         report["built"] = self.compiles() - before
+        building = f"portable_ssm: building NumPy's CPU kernels (once, a few seconds) into {self.library}"
+        assert done.stderr.count(building) == report["built"], done.stderr[-2000:]  # one line a build, saying where
         return report
 
 

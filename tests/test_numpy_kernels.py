@@ -115,6 +115,33 @@ def test_the_library_is_built_once_into_the_cache_and_reused(library, tmp_path, 
     assert built[0].stat().st_mtime_ns == stamp
 
 
+def test_build_kernels_builds_the_library_ahead_and_says_where(library, tmp_path, monkeypatch, capsys):
+    import io
+
+    from portable_ssm.backends import kernel_build
+
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, "_LOADED", [])
+    out = io.StringIO()
+    assert kernel_build._numpy(out)
+    (built,) = tmp_path.glob("numpy_kernels_*.so")
+    assert out.getvalue() == f"numpy: ready: {built}\n"
+    assert capsys.readouterr().err == f"portable_ssm: building NumPy's CPU kernels (once, a few seconds) into {built}\n"
+
+
+def test_the_cli_builds_the_kernels_ahead_with_build_kernels(library, tmp_path, monkeypatch, capsys):
+    from portable_ssm.backends import kernel_build
+
+    from portable_ssm.cli import main
+
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernel_build, "_torch", lambda out: print("torch: left out here", file=out) or True)
+    assert main(["build-kernels"]) == 0
+    (built,) = tmp_path.glob("numpy_kernels_*.so")
+    assert capsys.readouterr().out == f"numpy: ready: {built}\ntorch: left out here\n"
+
+
 def test_a_failed_build_warns_and_leaves_the_ufunc_paths(tmp_path, monkeypatch):
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))

@@ -773,12 +773,13 @@ def test_compiled_generation_traces_the_fused_step_and_gives_the_array_api_token
         assert rel_err(g_.numpy(), w.numpy()) < 1e-5
 
 
-def test_failed_build_warns_once_and_leaves_torchs_kernels(monkeypatch):
+def test_failed_build_says_what_it_builds_warns_once_and_leaves_torchs_kernels(monkeypatch, tmp_path, capsys):
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(torch_kernels, "enabled", lambda: True)
     monkeypatch.setattr(torch_kernels, "_BUILT", [])
     monkeypatch.setattr(torch_kernels, "_ACTIVE", [False])
+    monkeypatch.setattr(torch_kernels, "build_folder", lambda name: tmp_path / name)  # nothing built there yet
 
     def no_compiler(name, sources, **kwargs):
         assert [Path(s).name for s in sources] == ["torch_ops.cpp"] and Path(sources[0]).is_file()
@@ -787,6 +788,9 @@ def test_failed_build_warns_once_and_leaves_torchs_kernels(monkeypatch):
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with pytest.warns(RuntimeWarning, match="could not be built \\(Ninja is required to load C\\+\\+ extensions\\)"):
         assert torch_kernels.ensure() is False
+    name = "portable_ssm_cpu_" + torch_kernels.source_key(*torch_kernels.CFLAGS)
+    assert capsys.readouterr().err == (f"portable_ssm: building torch's CPU kernels (once, about a minute) into "
+                                       f"{tmp_path / name}\n")
     assert torch_kernels.ensure() is False and not torch_kernels.ready()  # tried once: no second warning
     w, row = _matrix(30, 16, seed=0), _matrix(1, 16, seed=1)
     torch.testing.assert_close(backend.decode_linear(row, w), row @ w.T)

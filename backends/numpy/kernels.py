@@ -41,6 +41,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -126,6 +127,8 @@ def _build(cxx: str, target: Path) -> None:
     (:func:`.kernel_cache.store`: written whole, fsync'd, renamed; one process at a time)."""
     target.parent.mkdir(parents=True, exist_ok=True)  # first: an unwritable cache costs no compile
     source = source_path(SOURCE_FILE)
+    print(f"portable_ssm: building NumPy's CPU kernels (once, a few seconds) into {target}", file=sys.stderr,
+          flush=True)
     with tempfile.TemporaryDirectory() as work:
         built = Path(work) / target.name
         result = subprocess.run([cxx, *CXXFLAGS, str(source), "-o", str(built)], capture_output=True, text=True,
