@@ -171,8 +171,24 @@ def store(library: Path, data: bytes) -> None:
         if path.is_dir() and not path.is_symlink():
             path.rmdir()
     _write_durably(library, data, 0o755)
+    _write_record(library, data)
+
+
+def _write_record(library: Path, data: bytes) -> None:
     _write_durably(record_path(library), f"{len(data)} {hashlib.sha256(data).hexdigest()}\n".encode(), 0o644)
     _sync_folder(library.parent)
+
+
+def record(library: Path) -> None:
+    """The record of ``library`` as it is now (a library another tool wrote whole, as torch's
+    ``cpp_extension`` does), written durably beside it; OSError where it is no regular file of this
+    user's that no one else may write."""
+    fd, status = _open_owned(library)
+    try:
+        data = os.pread(fd, status.st_size, 0)
+    finally:
+        os.close(fd)
+    _write_record(library, data)
 
 
 @contextlib.contextmanager

@@ -68,6 +68,7 @@ ops stay; nothing else changes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -82,6 +83,7 @@ import torch
 from portable_ssm import ssd
 
 from .cpu_source import ENV, SIMD_FLAGS, head_block, source_key, source_path
+from .kernel_cache import damage, record
 
 #: The ops' C++ source under :data:`.cpu_source.SOURCE_DIR` (it includes ``shared.h``).
 SOURCE_FILE = "torch_ops.cpp"
@@ -120,6 +122,19 @@ def build_folder(name: str) -> Path | None:
         return None
 
 
+def _drop_if_damaged(library: Path) -> None:
+    """Removes torch's build of the ops where it is not whole (:func:`.kernel_cache.damage`, against the
+    record written after it was built), with one warning naming it, so ninja links it again: torch
+    rebuilds by timestamps only and would ``dlopen`` a truncated file (SIGBUS at the first call)."""
+    if not os.path.lexists(library):
+        return
+    reason = damage(library)
+    if reason is not None:
+        library.unlink()  # a folder here: OSError, the build's one warning
+        warnings.warn(f"portable_ssm: torch's cached CPU kernel library {library} was damaged ({reason}); it is "
+                      "built again", RuntimeWarning, stacklevel=5)
+
+
 def _build() -> bool:
     """Compile and load :data:`SOURCE_FILE` (True), or warn why it could not be (False)."""
     from torch.utils import cpp_extension
@@ -127,11 +142,18 @@ def _build() -> bool:
     try:
         name = "portable_ssm_cpu_" + source_key(*CFLAGS)
         folder = build_folder(name)
-        if folder is None or not (folder / f"{name}.so").is_file():
+        library = None if folder is None else folder / f"{name}.so"
+        if library is not None:
+            _drop_if_damaged(library)
+        if library is None or not library.is_file():
             print(f"portable_ssm: building torch's CPU kernels (once, about a minute) into {folder or name}",
                   file=sys.stderr, flush=True)
         cpp_extension.load(name, sources=[str(source_path(SOURCE_FILE))], extra_cflags=list(CFLAGS),
                            is_python_module=False, verbose=False)
+        if library is not None and damage(library) is not None:  # just built: record it as it is
+            with contextlib.suppress(OSError):  # not recorded: the next process builds it again
+                library.chmod(library.stat().st_mode & 0o755)  # the linker's umask may leave it group-writable
+                record(library)
     except Exception as error:  # no compiler or ninja, or a failed build: torch's kernels stay
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         warnings.warn(f"portable_ssm: the CPU decode kernels could not be built ({first_line}); decode uses "

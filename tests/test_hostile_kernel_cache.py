@@ -217,3 +217,66 @@ def test_random_bytes_as_the_cached_library_are_rebuilt_with_one_warning_or_work
     else:
         assert report["built"] == 1 and len(report["warnings"]) == 1
         assert str(cache.library) in report["warnings"][0]
+
+
+# torch's ops, built by cpp_extension into its extensions folder: the child builds (or finds) them
+# and runs one.
+TORCH_CHILD = r"""
+import json, warnings
+import torch
+from portable_ssm.backends import torch_kernels
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ready = torch_kernels.ensure()
+product = None
+if ready:
+    product = torch.ops.portable_ssm_cpu.row_gemv(torch.ones(1, 40), torch.full((3, 40), 2.0), None).tolist()
+print(json.dumps({"loaded": ready, "product": product,
+                  "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}))
+"""
+
+
+@pytest.fixture
+def torch_build(tmp_path) -> tuple[dict, Path]:
+    """A copy of torch's build of the ops in a folder of its own (``TORCH_EXTENSIONS_DIR``), built
+    here first where it was not yet (about a minute, once), and the child's environment."""
+    torch_kernels = pytest.importorskip("portable_ssm.backends.torch_kernels")
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    if not torch_kernels.enabled() or not cpp_extension.is_ninja_available() or shutil.which("c++") is None:
+        pytest.skip("torch's CPU kernels: not usable here (AVX2, ninja and a C++ compiler)")
+    assert torch_kernels.ensure()
+    name = "portable_ssm_cpu_" + torch_kernels.source_key(*torch_kernels.CFLAGS)
+    built = torch_kernels.build_folder(name)
+    shutil.copytree(built, tmp_path / name, ignore=shutil.ignore_patterns("lock"))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    env.pop(kernels.ENV, None)
+    return env, tmp_path / name / f"{name}.so"
+
+
+def torch_load(env: dict) -> dict:
+    done = subprocess.run([sys.executable, "-c", TORCH_CHILD], env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 0, f"the child died ({done.returncode}): {done.stderr[-2000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damaged", ["truncated", "flipped bytes", "no record"])
+def test_a_damaged_torch_build_is_linked_again_with_one_warning_never_loaded(torch_build, damaged):
+    env, library = torch_build
+    whole = {"loaded": True, "product": WANT_PRODUCT, "warnings": []}
+    assert torch_load(env) == whole
+    data = library.read_bytes()
+    if damaged == "truncated":
+        library.write_bytes(data[:len(data) // 2])
+    elif damaged == "flipped bytes":
+        library.write_bytes(data[:1000] + bytes([data[1000] ^ 0xFF]) + data[1001:])
+    else:
+        kernel_cache.record_path(library).unlink()
+    report = torch_load(env)
+    assert report["loaded"] and report["product"] == WANT_PRODUCT
+    assert len(report["warnings"]) == 1 and str(library) in report["warnings"][0]
+    assert torch_load(env) == whole
