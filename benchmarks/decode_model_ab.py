@@ -45,7 +45,7 @@ def _show(rev: str, path: str, missing_ok: bool = False) -> str | None:
 def _cpu_sources_at(rev: str, folder: Path) -> dict[str, str]:
     """The revision's C++ files under ``backends/cpu/`` (name -> text), written into ``folder``; empty
     for a revision from before they moved out of Python strings."""
-    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{CPU_SOURCES}"],
+    listed = subprocess.run(["git", "ls-tree", "--full-tree", "--name-only", f"{rev}:{CPU_SOURCES}"],
                             cwd=Path(__file__).resolve().parent, capture_output=True, text=True)
     names = listed.stdout.split() if listed.returncode == 0 else []
     files = {name: _show(rev, f"{CPU_SOURCES}/{name}") or "" for name in names}

@@ -287,7 +287,7 @@ def _packed_rows(a: np.ndarray) -> np.ndarray:
 
 
 def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: np.ndarray, chunk: int,
-                initial_states: np.ndarray | None, D: np.ndarray | None, *,
+                initial_states: np.ndarray | None, D: np.ndarray | None,
                 most_heads: int = SCAN_HEAD_BLOCK) -> tuple[np.ndarray, np.ndarray] | None:
     """The chunked scan ``(y [b, l, h, p], final state [b, h, p, n])`` of float32 ``x [b, l, h, p]``, Δ
     ``[b, l, h]``, A ``[h]``, B, C ``[b, l, g, n]``, D ``[h]``, ``[h, p]`` or None and initial states

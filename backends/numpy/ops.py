@@ -224,7 +224,7 @@ def ssd_chunked(x: np.ndarray, dt: np.ndarray, A: np.ndarray, B: np.ndarray, C: 
     if seq_idx is not None:
         return ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
                                    xp=xp, seq_idx=seq_idx, D=D)
-    compiled = kernels.ssd_chunked(x, dt, A, B, C, chunk_size, initial_states, D, most_heads=SCAN_HEAD_BLOCK)
+    compiled = kernels.ssd_chunked(x, dt, A, B, C, chunk_size, initial_states, D, SCAN_HEAD_BLOCK)
     if compiled is not None:
         return compiled
     b, l, h, p = x.shape
