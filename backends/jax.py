@@ -46,25 +46,28 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def pass_states(state: Any, chunk_decay: Any, Bt: Any, X: Any, C: Any, inject: Any = None) -> tuple[Any, Any]:
+def pass_states(state: Any, chunk_decay: Any, Bt: Any, X: Any, C: Any, inject: Any = None,
+                carried: Any = None) -> tuple[Any, Any]:
     """``jax.lax.scan`` version of ``portable_ssm.ssd.pass_states_ref``: per chunk, the entering
     state read by C, then ``S_in[c+1] = chunk_decay[c] · S_in[c] + B_cᵀ X_c`` (``+ inject[c]``, and
-    then the stack of those states comes back instead of the last); traced once instead of
-    unrolled per chunk."""
+    then the stack of those states comes back instead of the last; the first term selected out
+    where ``carried[c]`` is False); traced once instead of unrolled per chunk."""
     b, g, n, r, p = state.shape
 
-    def body(carry: Any, chunk: tuple[Any, ...]) -> tuple[Any, Any]:
-        decay_c, Bt_c, X_c, C_c, *inject_c = chunk
-        out = jnp.matmul(C_c, jnp.reshape(carry, (b, g, n, r * p)))  # [b, g, Q, r·p]
-        added = jnp.reshape(jnp.matmul(Bt_c, X_c), carry.shape)  # [b, g, n, r·p] -> [b, g, n, r, p]
-        leaving = decay_c * carry + added
-        if not inject_c:
+    def body(carry: Any, chunk: dict[str, Any]) -> tuple[Any, Any]:
+        out = jnp.matmul(chunk["C"], jnp.reshape(carry, (b, g, n, r * p)))  # [b, g, Q, r·p]
+        added = jnp.reshape(jnp.matmul(chunk["Bt"], chunk["X"]), carry.shape)  # [b, g, n, r·p] -> [b, g, n, r, p]
+        kept = chunk["decay"] * carry
+        if "carried" in chunk:  # the entering sequence ended in the chunk: its state is dropped
+            kept = jnp.where(chunk["carried"], kept, jnp.zeros_like(kept))
+        leaving = kept + added
+        if "inject" not in chunk:
             return leaving, out
-        leaving = leaving + inject_c[0]
+        leaving = leaving + chunk["inject"]
         return leaving, (out, leaving)
 
-    inputs = (chunk_decay, Bt, X, C) if inject is None else (chunk_decay, Bt, X, C, inject)
-    chunks = tuple(jnp.moveaxis(v, 1, 0) for v in inputs)  # [b, c, ...] -> [c, b, ...]
+    inputs = {"decay": chunk_decay, "Bt": Bt, "X": X, "C": C, "inject": inject, "carried": carried}
+    chunks = {k: jnp.moveaxis(v, 1, 0) for k, v in inputs.items() if v is not None}  # [b, c, ...] -> [c, b, ...]
     final, stacked = jax.lax.scan(body, state, chunks)
     if inject is None:
         return jnp.moveaxis(stacked, 0, 1), final  # [c, b, g, Q, r·p] -> [b, c, g, Q, r·p]

@@ -24,8 +24,11 @@ at the chunk's end.
 Non-finite input stays causal: a NaN or inf in x, Δ, B or C at step t reaches no output before t.
 The diagonal block's mask is applied with ``where`` after the products (0·nan is nan), non-finite
 ``X`` enter its matmul as 0 and come back as nan from t on (:func:`poison`), so the outputs that
-turn non-finite are those the recurrence turns non-finite (with ``seq_idx``, possibly also later
-sequences of the row inside the chunk).
+turn non-finite are those the recurrence turns non-finite. It also stays inside its sequence: in
+packed rows every boundary mask selects with ``where`` rather than multiplying by a 0 (a state or
+term of an ended sequence is dropped, not scaled), and the poison restarts at each sequence's
+first step (:func:`poison_runs`), so each sequence gives, bit for bit, what it gives when another
+sequence of its row turns non-finite.
 
 Δ is clamped at 0 and A is negative, so every exponent is a sum of ``A·Δ <= 0`` terms: no exp
 sees a positive argument (the upper triangle is set to -inf before its exp, never exp'd and
@@ -304,8 +307,9 @@ def _final_states(X: Array, B: Array, a: Array, inits: Array, chunks: Array, var
     own = (own & (steps <= varlen.last[:, None]))[..., None]  # [n_seq, Q, 1]
     kept = within(aw, own, xp=xp)
     after, to_last = _sums_to_last(kept, xp=xp)  # a[j..last], a[j+1..last]: [n_seq, Q, h]
-    Xd = Xw * decay(to_last, keep=own, xp=xp)[..., None]  # [n_seq, Q, h, p]
+    Xd = within(Xw * decay(to_last, keep=own, xp=xp)[..., None], own[..., None], xp=xp)  # [n_seq, Q, h, p]
     Xd = xp.permute_dims(xp.reshape(Xd, (s, Q, g, r * p)), (0, 2, 1, 3))  # [n_seq, g, Q, r·p]
+    Bw = within(Bw, own[..., None], xp=xp)  # other sequences' steps selected out, not multiplied by 0
     inside = xp.reshape(_matmul(xp.permute_dims(Bw, (0, 2, 3, 1)), Xd, xp=xp), (s, g, n, r, p))
     ids = xp.arange(s, dtype=chunk.dtype, device=device(chunk))
     entered = (xp.take(varlen.seq, xp.clip(chunk * Q - 1, 0, l - 1)) == ids) & (chunk > 0)  # [n_seq]
@@ -316,7 +320,7 @@ def _final_states(X: Array, B: Array, a: Array, inits: Array, chunks: Array, var
 
 
 def pass_states(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Array, *,
-                xp: Namespace, inject: Array | None = None) -> tuple[Array, Array]:
+                xp: Namespace, inject: Array | None = None, carried: Array | None = None) -> tuple[Array, Array]:
     """Steps 2 to 4 chunk by chunk from ``state [b, g, n, r, p]``: the entering state is read by
     the chunk's C (``C_c S_in[c]``), then the chunk's own contribution is added,
     ``S_in[c+1] = chunk_decay[c] · S_in[c] + B_cᵀ X_c``. Only one state is alive at a time, never the
@@ -329,24 +333,33 @@ def pass_states(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Array,
 
     ``inject [b, c, g, n, r, p]`` (packed rows with per-sequence initial states,
     :func:`ssd_varlen_ref`) is added to the state leaving each chunk, and the second result is then
-    the stack of the states leaving every chunk, ``[b, c, g, n, r, p]``."""
+    the stack of the states leaving every chunk, ``[b, c, g, n, r, p]``.
+
+    ``carried [b, c, 1, 1, 1, 1]`` (bool, packed rows): False where the sequence entering chunk c
+    ends inside it; its state is then dropped (``where``) before the chunk's own part is added,
+    not multiplied by a 0 decay, which would keep a non-finite state of one sequence in the next."""
     native = fast_op(xp, "pass_states")
     if native is not None:
-        return native(state, chunk_decay, Bt, X, C) if inject is None else native(state, chunk_decay, Bt, X, C, inject)
-    return pass_states_ref(state, chunk_decay, Bt, X, C, xp=xp, inject=inject)
+        extra = {} if carried is None else {"carried": carried}
+        return native(state, chunk_decay, Bt, X, C, **extra) if inject is None else \
+            native(state, chunk_decay, Bt, X, C, inject, **extra)
+    return pass_states_ref(state, chunk_decay, Bt, X, C, xp=xp, inject=inject, carried=carried)
 
 
 def pass_states_ref(state: Array, chunk_decay: Array, Bt: Array, X: Array, C: Array, *,
-                    xp: Namespace, inject: Array | None = None) -> tuple[Array, Array]:
+                    xp: Namespace, inject: Array | None = None, carried: Array | None = None) -> tuple[Array, Array]:
     """The Python loop over chunks (unstacked, not indexed: autograd then adds one gradient per
     chunk, not a full-size zero fill)."""
     b, g, n, r, p = state.shape
+    c = C.shape[1]
     outputs, leaving = [], []
-    injected = [None] * C.shape[1] if inject is None else xp.unstack(inject, axis=1)
-    for decay_i, Bt_i, X_i, C_i, inject_i in zip(*(xp.unstack(v, axis=1) for v in (chunk_decay, Bt, X, C)), injected):
+    injected = [None] * c if inject is None else xp.unstack(inject, axis=1)
+    kept = [None] * c if carried is None else xp.unstack(carried, axis=1)
+    for decay_i, Bt_i, X_i, C_i, inject_i, kept_i in zip(*(xp.unstack(v, axis=1) for v in (chunk_decay, Bt, X, C)),
+                                                         injected, kept):
         outputs.append(_matmul(C_i, xp.reshape(state, (b, g, n, r * p)), xp=xp))  # [b, g, Q, r·p]
         added = xp.reshape(_matmul(Bt_i, X_i, xp=xp), state.shape)  # [b, g, n, r·p] -> [b, g, n, r, p]
-        state = decay_i * state + added
+        state = within(decay_i * state, kept_i, xp=xp) + added
         if inject_i is not None:
             state = state + inject_i
             leaving.append(state)
@@ -393,6 +406,20 @@ def poison(v: Array, *, axis: int, xp: Namespace) -> Array:
     return xp.cumulative_sum(v - v, axis=axis)
 
 
+def poison_runs(v: Array, first: Array, *, xp: Namespace) -> Array:
+    """:func:`poison` of ``v [b, c, Q, ...]`` along its steps (axis 2) restarting at every sequence of
+    a packed chunk: nan at step t where a non-finite entry lies between the first step of t's sequence
+    in the chunk, ``first [b, c, Q]``, and t; else 0. A plain cumulative poison would carry one
+    sequence's non-finite step into the later sequences of the chunk."""
+    b, c, Q = first.shape
+    bad = xp.astype(xp.logical_not(xp.isfinite(v)), xp.int32)  # [b, c, Q, ...]
+    through = xp.cumulative_sum(bad, axis=2)  # non-finite entries up to t, [b, c, Q, ...]
+    rows = xp.arange(b * c, dtype=first.dtype, device=device(first))[:, None] * Q + xp.reshape(first, (b * c, Q))
+    flat = xp.reshape(through - bad, (b * c * Q, *v.shape[3:]))  # before each step, [b·c·Q, ...]
+    before_run = xp.reshape(xp.take(flat, xp.reshape(rows, (-1,)), axis=0), v.shape)  # [b, c, Q, ...]
+    return xp.where(through > before_run, constant(math.nan, v, xp=xp), constant(0.0, v, xp=xp))
+
+
 def _pad_time(v: Array, pad: int, *, xp: Namespace) -> Array:
     """Zero-pads axis 1 (time) by ``pad`` steps: Δ=0 there, so padding neither decays nor feeds."""
     if pad == 0:
@@ -416,6 +443,7 @@ class _Boundaries(NamedTuple):
     carried: Array | None = None  # the entering sequence still runs at the chunk's end, [b, c, 1]
     in_entering: Array | None = None  # t in the sequence running when the chunk began, [b, c, 1, Q]
     last: Array | None = None  # the chunk's last sequence, [b, c]
+    first: Array | None = None  # the first step in the chunk of t's sequence, [b, c, Q]
 
 
 def _boundaries(seq: Array, before: Array, c: int, Q: int, *, xp: Namespace) -> _Boundaries:
@@ -426,10 +454,12 @@ def _boundaries(seq: Array, before: Array, c: int, Q: int, *, xp: Namespace) -> 
     s = xp.reshape(seq, (b, c, Q))  # [b, c, Q]
     entering = xp.concat([before[:, None], s[:, :-1, -1]], axis=1)  # id entering each chunk, [b, c]
     last = s[:, :, -1]  # [b, c]
+    earlier = xp.astype(s[:, :, None, :] < s[:, :, :, None], xp.int32)  # step j's run before t's, [b, c, Q, Q]
     return _Boundaries(same=(s[:, :, :, None] == s[:, :, None, :])[:, :, None, ...],
                        in_last=(s == last[..., None])[:, :, None, :],
                        carried=(last == entering)[..., None],
-                       in_entering=(s == entering[..., None])[:, :, None, :], last=last)
+                       in_entering=(s == entering[..., None])[:, :, None, :], last=last,
+                       first=xp.sum(earlier, axis=-1, dtype=xp.int32))  # runs ascend: earlier steps precede t's run
 
 
 def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: Array, *,
@@ -464,12 +494,20 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
     L = decay(segsum, keep=keep, xp=xp)  # [b, c, h, Q, Q]
     M = xp.reshape(CB[:, :, :, None, ...] * xp.reshape(L, (b, c, g, r, Q, Q)), (b, c, h, Q, Q))
     M = xp.where(keep, M, constant(0.0, M, xp=xp))  # a non-finite B_j must not reach rows i < j (0·nan)
-    Y_diag = _matmul(M, finite_or_zero(Xh, xp=xp), xp=xp) + poison(Xh, axis=-2, xp=xp)  # [b, c, h, Q, p]
-    Y_diag = xp.permute_dims(Y_diag, (0, 1, 3, 2, 4))  # [b, c, Q, h, p]
+    if m.first is None:
+        Y_diag = _matmul(M, finite_or_zero(Xh, xp=xp), xp=xp) + poison(Xh, axis=-2, xp=xp)  # [b, c, h, Q, p]
+        Y_diag = xp.permute_dims(Y_diag, (0, 1, 3, 2, 4))  # [b, c, Q, h, p]
+    else:  # the poison restarts at each sequence
+        Y_diag = xp.permute_dims(_matmul(M, finite_or_zero(Xh, xp=xp), xp=xp), (0, 1, 3, 2, 4))  # [b, c, Q, h, p]
+        Y_diag = Y_diag + poison_runs(X, m.first, xp=xp)
 
     # 2.-4. chunk by chunk: the entering state is read by C, then the chunk's own states are added
     decay_states = decay(segsum[..., -1, :], keep=m.in_last, xp=xp)  # to the chunk's end, [b, c, h, Q]
     Xd = X * xp.permute_dims(decay_states, (0, 1, 3, 2))[..., None]  # X decayed to its chunk's end, [b, c, Q, h, p]
+    Bt_fed = Bt
+    if m.in_last is not None:  # only the chunk's last sequence feeds its state: earlier ones selected out
+        Xd = within(Xd, xp.permute_dims(m.in_last, (0, 1, 3, 2))[..., None], xp=xp)  # [b, c, Q, 1, 1]
+        Bt_fed = within(Bt, m.in_last[:, :, :, None, :], xp=xp)  # [b, c, 1, 1, Q]
     Xd = xp.permute_dims(xp.reshape(Xd, (b, c, Q, g, r * p)), (0, 1, 3, 2, 4))  # [b, c, g, Q, r·p]
     decay_chunk = decay(acs[..., -1], keep=m.carried, xp=xp)  # [b, c, h]
     decay_chunk = xp.reshape(decay_chunk, (b, c, g, 1, r, 1))  # [b, c, h] -> [b, c, g, 1, r, 1]
@@ -478,10 +516,14 @@ def _segment(x: Array, dt: Array, A: Array, B: Array, C: Array, Q: int, state: A
         grown = decay(xp.sum(within(a, m.in_last, xp=xp), axis=-1), keep=xp.logical_not(m.carried), xp=xp)
         started = xp.reshape(xp.take(inits, xp.reshape(m.last, (-1,)), axis=0), (b, c, g, n, r, p))
         inject = xp.reshape(grown, (b, c, g, 1, r, 1)) * started  # [b, c, h] -> [b, c, g, 1, r, 1]
-    Y_off, state = pass_states(state, decay_chunk, Bt, Xd, Cg, xp=xp, inject=inject)  # [b, c, g, Q, r·p], state
+    carried = None if m.carried is None else xp.reshape(m.carried, (b, c, 1, 1, 1, 1))  # [b, c, 1] -> [b, c, 1, ...]
+    Y_off, state = pass_states(state, decay_chunk, Bt_fed, Xd, Cg, xp=xp, inject=inject,
+                               carried=carried)  # [b, c, g, Q, r·p], state
     Y_off = xp.reshape(xp.permute_dims(Y_off, (0, 1, 3, 2, 4)), (b, c, Q, h, p))  # [b, c, Q, h, p]
     decay_out = decay(acs, keep=m.in_entering, xp=xp)  # [b, c, h, Q]
     Y_off = Y_off * xp.permute_dims(decay_out, (0, 1, 3, 2))[..., None]
+    if m.in_entering is not None:  # the entering state reaches its own sequence's steps only (0·nan is nan)
+        Y_off = within(Y_off, xp.permute_dims(m.in_entering, (0, 1, 3, 2))[..., None], xp=xp)  # [b, c, Q, 1, 1]
 
     y = xp.reshape(Y_diag + Y_off, (b, c * Q, h, p))[:, :l, ...]  # [b, l, h, p]
     return y, state

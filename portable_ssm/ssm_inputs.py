@@ -12,9 +12,9 @@ keeps them in float32 for bf16 models. All the math runs
 in the compute dtype: float64 for float64 inputs, float32 otherwise (bf16/fp16 too). States
 (``initial_states`` and the returned ones) are in the compute dtype; ``y`` comes back in x's dtype.
 
-Packed sequences (``seq_idx [b, l]``, mamba_ssm's argument): integer ids, non-decreasing along l
-as mamba_ssm asks; a new sequence starts wherever the id changes, so only neighbours are compared
-and the ids' values do not matter. Entry points turn them into run ids once (:func:`sequence_runs`);
+Packed sequences (``seq_idx [b, l]``, mamba_ssm's argument): integer ids, 0 first and non-decreasing
+along l (checked at the door); a new sequence starts wherever the id changes, so only neighbours are
+compared and gaps between ids do not matter. Entry points turn them into run ids once (:func:`sequence_runs`);
 the inner functions only ask that equal ids mean one contiguous sequence. Incoming states belong
 to each row's first sequence, returned states to its last one. ``cu_seqlens`` packs a batch-1 row
 with one incoming and one returned state per sequence instead (:mod:`portable_ssm.varlen`).
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._array import Array, Namespace, compute_dtype, constant, dtype_name, namespace, silu
+from ._array import Array, Namespace, compute_dtype, constant, dtype_name, is_traced, namespace, silu
 from ._checks import (
     Shapes,
     check_bool,
@@ -130,14 +130,29 @@ def _check_projection_dtype(name: str, value: Array, x: Array, cdtype: Any) -> N
 
 
 def check_seq_idx(seq_idx: Array, shapes: Shapes, ref_name: str, ref: Array, *, xp: Namespace) -> None:
-    """Checks ``seq_idx`` against ``ref`` (x or input_ids): one backend, an integer dtype, shape
-    ``[b, l]`` with the sizes ``shapes`` already bound, and ``ref``'s device."""
+    """Checks ``seq_idx`` against ``ref`` (x or input_ids): one backend, an integer dtype (bool is
+    not one), shape ``[b, l]`` with the sizes ``shapes`` already bound, ``ref``'s device and (when
+    the values are concrete, not traced) 0 at each row's first step and non-decreasing ids along l,
+    mamba_ssm's layout: a decreasing id would restart a sequence that already ended."""
     namespace(**{ref_name: ref}, seq_idx=seq_idx)
     if not xp.isdtype(seq_idx.dtype, "integral"):
         raise TypeError(f"seq_idx: expected an integer dtype (sequence ids per step), "
                         f"got {dtype_name(seq_idx.dtype)}")
     shapes.check("seq_idx", seq_idx, ("b", "l"))
     check_same_device("seq_idx", seq_idx, ref_name, ref)
+    b, l = seq_idx.shape
+    if is_traced(seq_idx) or b == 0 or l == 0:
+        return
+    first = xp.astype(seq_idx[:, 0] != 0, xp.int8)  # [b]
+    if bool(xp.any(first == 1)):
+        row = int(xp.argmax(first))
+        raise ValueError(f"seq_idx: expected 0 at each row's first step, got {int(seq_idx[row, 0])} in row {row}")
+    down = xp.astype(seq_idx[:, 1:] < seq_idx[:, :-1], xp.int8)  # 1 where an id decreases, [b, l-1]
+    if bool(xp.any(down == 1)):
+        at = int(xp.argmax(xp.reshape(down, (-1,))))
+        row, t = divmod(at, l - 1)
+        raise ValueError(f"seq_idx: expected non-decreasing ids along l, got {int(seq_idx[row, t])} then "
+                         f"{int(seq_idx[row, t + 1])} at row {row}, steps {t} and {t + 1}")
 
 
 def sequence_runs(seq_idx: Array, *, xp: Namespace) -> Array:

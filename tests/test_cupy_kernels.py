@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import rel_err
+from conftest import Backend, rel_err
+from hypothesis import given
 from test_cuda_sources import host_emulator, host_toolchain_problem, import_without_cupy
 from test_hostile_numerics import (
     Scan,
@@ -39,6 +40,8 @@ from test_hostile_numerics import (
     poisoned,
     quiet,
 )
+from test_hostile_packed import SETTINGS as PACKED_SETTINGS
+from test_hostile_packed import check_packed_scan, packed_poisonings
 
 import portable_ssm as ps
 from portable_ssm import ssd as core_ssd
@@ -339,8 +342,9 @@ def test_ssd_kernels_equal_the_sequential_recurrence(rt: Runtime, rng: np.random
     args = _scan_args(rt, rng, "float64", l=30, initial=True, packed=True)
     y, final = rt.kernels.ssd_chunked(args["x"], args["dt"], args["A"], args["B"], args["C"], 8,
                                       args["initial_states"], seq_idx=args["seq_idx"])
+    ids = args["seq_idx"] - args["seq_idx"][:, :1]  # the kernels take any ids; the public scan 0 first
     y_seq, final_seq = selective_scan(args["x"], args["dt"], args["A"], args["B"], args["C"],
-                                      initial_states=args["initial_states"], seq_idx=args["seq_idx"],
+                                      initial_states=args["initial_states"], seq_idx=ids,
                                       return_final_states=True)
     _assert_close(rt, y, y_seq, "float64", like=args["x"])
     _assert_close(rt, final, final_seq, "float64", like=args["x"])
@@ -410,6 +414,15 @@ def test_ssd_kernels_keep_non_finite_input_causal_in_packed_rows_as_the_referenc
     assert not np.isfinite(y[1, t]).all()
     finite = np.isfinite(y_ref)
     assert rel_err(y[finite], y_ref[finite]) <= TOL["float64"]
+
+
+@PACKED_SETTINGS
+@given(case=packed_poisonings())
+def test_ssd_kernels_keep_a_non_finite_value_inside_its_packed_sequence(rt: Runtime, kernel_scan: Scan,
+                                                                       case: dict) -> None:
+    """test_hostile_packed's check on the kernels (seq_idx rows: cu_seqlens rows take the core's
+    varlen scan): the other sequences and the poisoned one's earlier steps bit-equal to the clean run."""
+    check_packed_scan(Backend(rt.name, "cupy" if rt.name == "cupy" else "numpy", None), dict(case, layout="seq_idx"))
 
 
 # --- purity and validation ----------------------------------------------------------------------

@@ -148,9 +148,10 @@ class KernelSet:
     def ssd_chunked(self, x: Array, dt: Array, A: Array, B: Array, C: Array, chunk_size: int | None,
                     initial_states: Array | None, seq_idx: Array | None = None,
                     D: Array | None = None) -> tuple[Array, Array]:
-        """``portable_ssm.ssd.ssd_chunked`` (D skip, no gate) with six kernels and four cuBLAS matmuls
-        per segment (ssd.cu), with the reference's numerics: in-chunk decays from step-by-step sums,
-        the decay floor, and non-finite input reaching no earlier output. Inputs in the compute dtype
+        """``portable_ssm.ssd.ssd_chunked`` (D skip, no gate) with six kernels (seven in packed rows)
+        and four cuBLAS matmuls per segment (ssd.cu), with the reference's numerics: in-chunk decays
+        from step-by-step sums, the decay floor, and non-finite input reaching no earlier output nor
+        another sequence. Inputs in the compute dtype
         (all float32 or all float64): ``x [b, l, h, p]``, ``dt`` = Δ ``[b, l, h]``, ``A [h]``,
         ``B, C [b, l, g, n]``, ``initial_states [b, h, p, n]`` or None, ``seq_idx [b, l]`` or None,
         ``D [h]`` or ``[h, p]`` or None; chunk_size None picks ``choose_chunk_size(l)``.
@@ -220,7 +221,10 @@ class KernelSet:
                           (CB, a, ids, M, *seg, np.int64(h), np.int64(g), floor, has_seq))
         Y_diag = cp.ascontiguousarray(cp.matmul(M, Xh))  # [b, c, h, Q, p]
 
-        # 2. chunk states: S = Xdᵀ B per group
+        # 2. chunk states: S = Xdᵀ B per group (packed rows: B of the chunk's last sequence only)
+        if has_seq:
+            self._grid_stride("ssd", f"ssd_mask_b_{suffix}", b * c * g * Q * n,
+                              (Bg, ids, *seg, np.int64(g), np.int64(n)))
         S = cp.ascontiguousarray(cp.matmul(Xd.swapaxes(-1, -2), Bg))  # [b, c, g, r·p, n] = [b, c, h, p, n]
 
         # 3. state passing

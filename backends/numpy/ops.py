@@ -166,14 +166,17 @@ def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, grou
 
 
 def pass_states(state: np.ndarray, chunk_decay: np.ndarray, Bt: np.ndarray, X: np.ndarray,
-                C: np.ndarray, inject: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                C: np.ndarray, inject: np.ndarray | None = None,
+                carried: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """In-place version of ``portable_ssm.ssd.pass_states_ref``: each chunk's ``C_c S_in[c]`` is
     written straight into one output array and the state is updated in place (in a copy: the
     caller's state is never modified), so no per-chunk temporaries or final stack are allocated
     (about 10% of a 130m layer's forward at l=2048). Shapes as the reference: state
     ``[b, g, n, r, p]``, chunk_decay ``[b, c, g, 1, r, 1]``, Bt ``[b, c, g, n, Q]``, X ``[b, c, g, Q, r·p]``,
     C ``[b, c, g, Q, n]`` -> ``(outputs [b, c, g, Q, r·p], final state [b, g, n, r, p])``; with
-    ``inject [b, c, g, n, r, p]`` added to each leaving state, the stack of them instead of the last."""
+    ``inject [b, c, g, n, r, p]`` added to each leaving state, the stack of them instead of the last;
+    where ``carried [b, c, 1, 1, 1, 1]`` is False the state is set to 0 (not scaled by a 0 decay:
+    0·nan is nan) before the chunk's own part is added."""
     b, g, n, r, p = state.shape
     c, Q = C.shape[1], C.shape[3]
     dtype = np.result_type(state, chunk_decay, Bt, X, C, *(() if inject is None else (inject,)))
@@ -186,6 +189,8 @@ def pass_states(state: np.ndarray, chunk_decay: np.ndarray, Bt: np.ndarray, X: n
         np.matmul(C[:, i], flat, out=outputs[:, i])  # the state entering chunk i, read by its C
         np.matmul(Bt[:, i], X[:, i], out=added)  # what chunk i adds
         final *= chunk_decay[:, i]
+        if carried is not None:  # the entering sequence ended inside chunk i
+            np.copyto(final, 0, where=np.logical_not(carried[:, i]))
         flat += added
         if leaving is not None:
             final += inject[:, i]

@@ -5,6 +5,7 @@
 //   exponents      a = A·Δ, acs = its running sum, to_end = a[q+1] + ... + a[Q-1]   ssd_chunk_exponents
 //   layout         B, C -> [b, c, g, Q, n], zero-padded past the end                ssd_pad_bc
 //   X = x·Δ        Xh [b, c, h, Q, p] (non-finite -> 0); Xd = X decayed to the end   ssd_scale_x
+//   packed rows    Bg of steps outside the chunk's last sequence -> 0 (after C Bᵀ)  ssd_mask_b
 //   1. diagonal    M = (C Bᵀ) ⊙ exp(a[j+1] + ... + a[i]), lower triangle only        ssd_diag_mask
 //   3. passing     S_in[c+1] = exp(acs_c[-1]) · S_in[c] + S_c                       ssd_state_passing
 //   4. output      y = Y_diag + poison + exp(acs) · Y_off                           ssd_combine
@@ -14,7 +15,10 @@
 // every later pair. Each decay factor below exp(floor) (floor = portable_ssm.ssd.decay_floor) is
 // flushed to 0, a NaN exponent too. Non-finite input stays causal: non-finite X enter M X as 0 and
 // come back as NaN from their step on ("poison", the running sum of X - X over the chunk), M is 0
-// above the diagonal whatever C Bᵀ holds, and later chunks see them through the states.
+// above the diagonal whatever C Bᵀ holds, and later chunks see them through the states. In packed
+// rows a term of another sequence is selected out, never multiplied by a 0 (0·nan is nan): the
+// chunk state's X and B (ssd_scale_x, ssd_mask_b), the dropped entering state (ssd_state_passing),
+// its read outside its sequence and the poison of earlier sequences (ssd_combine).
 //
 // Shape legend: b batch, L the full length, a segment of len steps from t0 is cut into c chunks of
 // Q (the last one padded), h heads, p headdim, g groups (head i reads group i / (h/g)), n state.
@@ -127,12 +131,28 @@ __device__ void ssd_scale_x(const F* __restrict__ x, const F* __restrict__ dt, c
             const long long step = s.step(row, t) * h + hi;
             X = x[step * p + pi] * dt[step];
         }
-        F decay = decay_factor(to_end[s.head_steps(chunk, h, hi) + q], floor);
-        if (has_seq && s.seq_at(seq, row, t) != s.seq_at(seq, row, ci * s.Q + s.Q - 1)) {
-            decay = 0;
-        }
+        const F decay = decay_factor(to_end[s.head_steps(chunk, h, hi) + q], floor);
+        const bool fed = !has_seq || s.seq_at(seq, row, t) == s.seq_at(seq, row, ci * s.Q + s.Q - 1);
         Xh[(s.head_steps(chunk, h, hi) + q) * p + pi] = is_finite(X) ? X : (F)0;
-        Xd[s.grouped(chunk, q, hi, pi, h, p, g)] = X * decay;
+        Xd[s.grouped(chunk, q, hi, pi, h, p, g)] = fed ? X * decay : (F)0;
+    }
+}
+
+// Packed rows: Bg [b, c, g, Q, n] set to 0 at the steps outside each chunk's last sequence, once C Bᵀ
+// has read it, so that the chunk state Xdᵀ B takes no term (not even 0·nan) of an ended sequence.
+// Grid: 1-D grid-stride over Bg, n fastest.
+template <typename F>
+__device__ void ssd_mask_b(F* __restrict__ Bg, const long long* __restrict__ seq, const Segment s, long long g,
+                           long long n) {
+    GRID_STRIDE_LOOP(i, s.b * s.c * g * s.Q * n) {
+        long long rest = i / n;
+        const long long q = peel(rest, s.Q);
+        peel(rest, g);
+        const long long ci = peel(rest, s.c);
+        const long long row = rest;
+        if (s.seq_at(seq, row, ci * s.Q + q) != s.seq_at(seq, row, ci * s.Q + s.Q - 1)) {
+            Bg[i] = 0;
+        }
     }
 }
 
@@ -181,11 +201,9 @@ __device__ void ssd_state_passing(const F* __restrict__ S, const F* __restrict__
         for (long long ci = 0; ci < s.c; ++ci) {
             const long long chunk = s.chunk(row, ci);
             S_in[chunk * h * pn + e] = st;
-            F decay = decay_factor(acs[s.head_steps(chunk, h, hi) + s.Q - 1], floor);
-            if (has_seq && s.seq_at(seq, row, ci * s.Q + s.Q - 1) != s.entering_id(seq, row, ci)) {
-                decay = 0;
-            }
-            st = decay * st + S[chunk * h * pn + e];
+            const F decay = decay_factor(acs[s.head_steps(chunk, h, hi) + s.Q - 1], floor);
+            const bool carried = !has_seq || s.seq_at(seq, row, ci * s.Q + s.Q - 1) == s.entering_id(seq, row, ci);
+            st = (carried ? decay * st : (F)0) + S[chunk * h * pn + e];
         }
         final_state[i] = st;
     }
@@ -193,7 +211,8 @@ __device__ void ssd_state_passing(const F* __restrict__ S, const F* __restrict__
 
 // 4. y[b, t0 + t, h, p] = Y_diag [b, c, h, Q, p] + poison + exp(acs) · Y_off [b, c, g, Q, (h/g)·p],
 // the entering state reaching only the steps of the sequence it belongs to; poison is the running
-// sum of X - X from the chunk's start to t (0, or NaN from a non-finite X on, which Xh held as 0).
+// sum of X - X from the chunk's start (or t's sequence's first step in it) to t (0, or NaN from a
+// non-finite X on, which Xh held as 0).
 // Grid: 1-D grid-stride over the segment's (b, len, h, p) outputs, p fastest, as y is stored.
 template <typename F>
 __device__ void ssd_combine(const F* __restrict__ Y_diag, const F* __restrict__ Y_off, const F* __restrict__ acs,
@@ -209,17 +228,19 @@ __device__ void ssd_combine(const F* __restrict__ Y_diag, const F* __restrict__ 
         const long long ci = t / s.Q;
         const long long q = t % s.Q;
         const long long chunk = s.chunk(row, ci);
-        F decay = decay_factor(acs[s.head_steps(chunk, h, hi) + q], floor);
-        if (has_seq && s.seq_at(seq, row, t) != s.entering_id(seq, row, ci)) {
-            decay = 0;
-        }
+        const F decay = decay_factor(acs[s.head_steps(chunk, h, hi) + q], floor);
+        const long long id = has_seq ? s.seq_at(seq, row, t) : 0;
         F poison = 0;
         for (long long k = ci * s.Q; k <= t; ++k) {
+            if (has_seq && s.seq_at(seq, row, k) != id) {
+                continue;  // an earlier sequence's step
+            }
             const long long step = s.step(row, k) * h + hi;
             const F X = x[step * p + pi] * dt[step];
             poison += X - X;
         }
-        const F off = Y_off[s.grouped(chunk, q, hi, pi, h, p, g)] * decay;
+        const bool entered = !has_seq || id == s.entering_id(seq, row, ci);
+        const F off = entered ? Y_off[s.grouped(chunk, q, hi, pi, h, p, g)] * decay : (F)0;
         y[(s.step(row, t) * h + hi) * p + pi] = Y_diag[(s.head_steps(chunk, h, hi) + q) * p + pi] + poison + off;
     }
 }
@@ -242,6 +263,10 @@ __device__ void ssd_combine(const F* __restrict__ Y_diag, const F* __restrict__ 
                                                     long long h, long long p, long long g, F floor,     \
                                                     int has_seq) {                                      \
         ssd_scale_x<F>(x, dt, to_end, seq, Xh, Xd, SSD_SEGMENT, h, p, g, floor, has_seq);               \
+    }                                                                                                   \
+    extern "C" __global__ void ssd_mask_b_##SUFFIX(F* Bg, const long long* seq, SSD_SEGMENT_PARAMS,       \
+                                                   long long g, long long n) {                          \
+        ssd_mask_b<F>(Bg, seq, SSD_SEGMENT, g, n);                                                      \
     }                                                                                                   \
     extern "C" __global__ void ssd_diag_mask_##SUFFIX(const F* CB, const F* a, const long long* seq, F* M, \
                                                       SSD_SEGMENT_PARAMS, long long h, long long g, F floor, \
