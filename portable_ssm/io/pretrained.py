@@ -265,7 +265,7 @@ def _from_hub(repo_id: str, revision: str | None, local_files_only: bool) -> str
         f"hf download {repo_id} --revision {revision}")
 
 
-def _check_arguments(path: Any, revision: Any, local_files_only: Any, weights: Any) -> str:
+def _check_arguments(path: Any, revision: Any, local_files_only: Any, weights: Any, dtype: Any) -> str:
     """``path`` as a str after checking the arguments that say where and how to load; TypeError or
     ValueError naming the argument otherwise."""
     if isinstance(path, os.PathLike):
@@ -286,6 +286,9 @@ def _check_arguments(path: Any, revision: Any, local_files_only: Any, weights: A
                         f"{type(weights).__name__}")
     if weights not in KINDS:
         raise ValueError(f"weights: expected one of {', '.join(map(repr, KINDS))}, got {weights!r}")
+    if weights != "float32" and dtype not in (None, "float32"):
+        raise ValueError(f"weights: {weights!r} stores float32 params in low precision; got dtype={dtype!r} "
+                         f"(pass dtype=None or 'float32')")
     return path
 
 
@@ -315,7 +318,7 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
     shard indexes naming files outside the directory; FileNotFoundError when nothing is at
     ``path`` (for a Hub id: saying what to run to download it).
     """
-    path = _check_arguments(path, revision, local_files_only, weights)
+    path = _check_arguments(path, revision, local_files_only, weights, dtype)
     if not os.path.lexists(path) and _REPO_ID.match(path):
         path = _from_hub(path, revision, local_files_only)
     elif revision is not None:
