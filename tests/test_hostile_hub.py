@@ -207,3 +207,18 @@ def test_random_refs_and_revisions_only_give_documented_errors(cache, ref, revis
         quoted = str(err).replace(str(cache.parent), "")
         text = ref.strip().decode("utf-8", "replace")
         assert len(text) < 6 or text not in quoted, quoted
+
+
+# --- property: random bytes in the JSON files of a folder ---------------------------------------
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(["config.json", "generation_config.json", "model.safetensors.index.json"]),
+       data=st.one_of(st.binary(max_size=64), st.builds(str.encode, st.text(max_size=64)),
+                      st.sampled_from([b"{}", b"[]", b"null", b'{"weight_map": {}}', b"\xef\xbb\xbf{}",
+                                       b'{"a": 1, "a": 2}', b"[" * 5000, b"NaN"])))
+def test_random_bytes_in_a_json_file_only_give_a_checkpoint_error_naming_it(model, name, data):
+    (model / name).write_bytes(data)
+    try:
+        load_pretrained(model)
+    except CheckpointError as err:
+        assert str(err).startswith(str(model)), err
