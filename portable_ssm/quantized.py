@@ -127,6 +127,13 @@ def quantize(params: dict[str, Array], kind: str) -> dict[str, Any]:
         ``*out_proj.weight``, ``embedding.weight`` and ``lm_head.weight``; the other arrays are
         the same objects. Forward, logits and generation accept it like the float32 dict; move
         or cast params (:func:`portable_ssm.cast_params`, ``backend=``) before quantizing them.
+
+    Raises:
+        TypeError: ``params`` not a dict of str -> arrays, ``kind`` not a str, a weight to convert
+            that is not a float32 matrix or is already a :class:`QuantizedWeight` (naming the key).
+        ValueError: an unknown ``kind``; a weight with inf or NaN (naming the key and the row: its
+            int8 scale would be NaN or infinite and poison the row); for ``"bfloat16"`` a magnitude
+            of :data:`BFLOAT16_OVERFLOW` or more, which would round to infinity.
     """
     _check_params(params)
     if not isinstance(kind, str):

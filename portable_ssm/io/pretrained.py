@@ -13,7 +13,11 @@ and a Hub id (``"org/name"``) is a directory of the local Hugging Face cache, do
 only when it is not cached and ``huggingface_hub`` is installed.
 
 Files are hostile until checked: JSON is type-checked key by key, the config is bounded against
-the weight files' sizes before a tensor is read, and shard names stay inside the directory.
+the weight files' sizes before a tensor is read, and shard names stay inside the directory. Only
+regular files are read (a FIFO or directory in a file's place is a CheckpointError naming it);
+JSON files must resolve inside the directory, and in a Hub cache snapshot every file must resolve
+into the snapshot or its repository's ``blobs/`` (:mod:`portable_ssm.io.paths`); a cache ref must
+be a small regular file holding a commit hash. No error quotes a refused file's bytes.
 
 Safetensors files are read with numpy alone (bfloat16 widened to float32 exactly, by
 :mod:`portable_ssm.io.safetensors`), so a numpy-only install loads them. Every checkpoint
