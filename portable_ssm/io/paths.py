@@ -20,10 +20,23 @@ from __future__ import annotations
 import os
 import re
 import stat
+from typing import Any
 
 from .errors import CheckpointError
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def as_path(path: Any, name: str = "path") -> str:
+    """``path`` as a str: TypeError naming ``name`` unless it is a str or a str ``os.PathLike``,
+    ValueError when it is empty or holds a NUL character."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"{name}: expected a str or os.PathLike path, got {type(path).__name__}")
+    if not path or "\0" in path:
+        raise ValueError(f"{name}: expected a non-empty path without NUL characters, got {path!r}")
+    return path
 
 
 def _kind(mode: int) -> str:

@@ -38,7 +38,7 @@ from .errors import CheckpointError
 from .generation_config import FILE_NAME as GENERATION_CONFIG
 from .generation_config import read_generation_config
 from .layouts import Tensors, config_fields, eos_token_ids, minimum_bytes, sanitize, shown
-from .paths import allowed_roots, check_inside, read_regular, regular
+from .paths import allowed_roots, as_path, check_inside, read_regular, regular
 from .strict_json import loads, read_file
 
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
@@ -272,12 +272,7 @@ def _from_hub(repo_id: str, revision: str | None, local_files_only: bool) -> str
 def _check_arguments(path: Any, revision: Any, local_files_only: Any, weights: Any, dtype: Any) -> str:
     """``path`` as a str after checking the arguments that say where and how to load; TypeError or
     ValueError naming the argument otherwise."""
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str):
-        raise TypeError(f"path: expected a str or os.PathLike path, or a Hub id 'org/name', got {type(path).__name__}")
-    if not path or "\0" in path:
-        raise ValueError(f"path: expected a non-empty path without NUL characters, got {path!r}")
+    path = as_path(path)
     if revision is not None and not isinstance(revision, str):
         raise TypeError(f"revision: expected a branch, tag or commit hash as a str, got {type(revision).__name__}")
     if revision is not None and (not revision or "\0" in revision or "\\" in revision or len(revision) > 255):
