@@ -99,6 +99,12 @@ def test_load_pretrained_weights_is_checked_at_the_door(tmp_path):
         load_pretrained(path, local_files_only="no")
     with pytest.raises(TypeError, match="path: expected a str or os.PathLike path"):
         load_pretrained(3)
+    for folder in (path, tmp_path):  # a save_params file and a folder (no config.json: refused first)
+        with pytest.raises(ValueError, match="dtype: expected None or one of float64, float32, float16, bfloat16, "
+                                             "got 'int8'"):
+            load_pretrained(folder, dtype="int8")
+        with pytest.raises(ValueError, match="backend: expected one of numpy, .*, got None"):
+            load_pretrained(folder, backend=None)
 
 
 # --- property: random matrices ---------------------------------------------------------------------

@@ -30,7 +30,7 @@ import os
 import re
 from typing import Any
 
-from ..backends import load, to_backend
+from ..backends import NAMES, load, to_backend
 from ..language_model import Mamba2LM
 from ..quantized import KINDS
 from .checkpoint import load_params
@@ -269,10 +269,15 @@ def _from_hub(repo_id: str, revision: str | None, local_files_only: bool) -> str
         f"hf download {repo_id} --revision {revision}")
 
 
-def _check_arguments(path: Any, revision: Any, local_files_only: Any, weights: Any, dtype: Any) -> str:
-    """``path`` as a str after checking the arguments that say where and how to load; TypeError or
-    ValueError naming the argument otherwise."""
+def _check_arguments(path: Any, revision: Any, local_files_only: Any, weights: Any, dtype: Any,
+                     backend: Any) -> str:
+    """``path`` as a str after checking the arguments that say where and how to load (before any
+    file is read); TypeError or ValueError naming the argument otherwise."""
     path = as_path(path)
+    if not isinstance(backend, str) or backend not in NAMES:
+        raise ValueError(f"backend: expected one of {', '.join(NAMES)}, got {backend!r}")
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in _FLOATS):
+        raise ValueError(f"dtype: expected None or one of {', '.join(_FLOATS)}, got {dtype!r}")
     if revision is not None and not isinstance(revision, str):
         raise TypeError(f"revision: expected a branch, tag or commit hash as a str, got {type(revision).__name__}")
     if revision is not None and (not revision or "\0" in revision or "\\" in revision or len(revision) > 255):
@@ -317,7 +322,7 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
     shard indexes naming files outside the directory; FileNotFoundError when nothing is at
     ``path`` (for a Hub id: saying what to run to download it).
     """
-    path = _check_arguments(path, revision, local_files_only, weights, dtype)
+    path = _check_arguments(path, revision, local_files_only, weights, dtype, backend)
     if not os.path.lexists(path) and _REPO_ID.match(path):
         path = _from_hub(path, revision, local_files_only)
     elif revision is not None:
