@@ -17,14 +17,20 @@ Every command first keeps freed memory in the process for reuse
 
 Every command reports a bad input (CheckpointError, ValueError, TypeError, ImportError, OSError)
 as one ``portable-ssm COMMAND: error: ...`` line on stderr, with the install command when a
-package is missing, and exits with status 2 (as argparse does for a bad option).
+package is missing, and exits with status 2 (as argparse does for a bad option). Option values are
+checked before anything is loaded (``--max-new-tokens`` >= 0, ``--temperature`` finite >= 0,
+``--top-k`` >= 1 and ``--top-p`` in (0, 1] only with ``--temperature`` > 0, ``--seed`` >= 0,
+``--eos-token-id`` >= -1). Any other exception is still one line (``error: unexpected ...``,
+status 1; Ctrl-C: status 130), never a traceback. Tokenizer files are read and copied only when they
+are regular files inside the checkpoint's directory; a symlink out of it or a FIFO is an error
+naming the file, and nothing is written then.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +40,8 @@ from . import __version__
 from .backends import NAMES
 from .host import retain_unless_disabled
 from .io import CheckpointError, load_pretrained
+from .io.atomic import replace_atomically
+from .io.paths import check_inside, read_regular, regular
 from .language_model import Mamba2LM
 from .quantized import KINDS
 
@@ -41,8 +49,14 @@ from .quantized import KINDS
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 #: Exit status of every reported error, as argparse uses for a bad option.
 ERROR_STATUS = 2
+#: Exit status of an error that is no bad input (a backend failure, out of memory, a bug).
+UNEXPECTED_STATUS = 1
+#: Exit status after Ctrl-C, as a shell reports SIGINT.
+INTERRUPTED_STATUS = 130
 #: Tokenizer files ``convert`` copies next to the file it writes.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+#: The largest tokenizer file read or copied (real ones are at most tens of MB).
+TOKENIZER_LIMIT = 1 << 30
 #: What to install for a missing module.
 INSTALL = {"tokenizers": "pip install 'portable-ssm[cli]'", "torch": "pip install 'portable-ssm[torch]'",
            "jax": "pip install 'portable-ssm[jax]'", "jaxlib": "pip install 'portable-ssm[jax]'",
@@ -58,6 +72,41 @@ class _Parser(argparse.ArgumentParser):
         self.exit(ERROR_STATUS, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _count(low: int) -> Callable[[str], int]:
+    """An argparse type: an int ``>= low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _number(low: float, high: float, *, low_open: bool) -> Callable[[str], float]:
+    """An argparse type: a finite float in ``[low, high]`` (``(low, high]`` when ``low_open``)."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {text}")
+        return value
+    return parse
+
+
+def _path(text: str) -> str:
+    """An argparse type: a non-empty path."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return text
+
+
 def _folder(path: str) -> str:
     """The directory a checkpoint path names: itself, or the folder holding the file."""
     return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
@@ -66,22 +115,37 @@ def _folder(path: str) -> str:
 def _tokenizer(model: str) -> Any:
     """The ``tokenizers.Tokenizer`` in the model's directory, or None when there is no tokenizer.json."""
     path = os.path.join(_folder(model), "tokenizer.json")
-    if not os.path.isfile(path):
+    if not _tokenizer_file(path, _folder(model)):
         return None
     try:
         from tokenizers import Tokenizer
     except ImportError as err:
         raise ImportError(f"{path} needs the tokenizers package: {INSTALL['tokenizers']} (or pass --ids "
                           f"with integer token ids)", name="tokenizers") from err
+    text = read_regular(path, TOKENIZER_LIMIT)
     try:
-        return Tokenizer.from_file(path)
-    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
-        raise ValueError(f"{path}: not a readable tokenizer.json ({err})") from None
+        return Tokenizer.from_str(text.decode("utf-8"))
+    except Exception:  # tokenizers raises a bare Exception for a file it cannot parse; its text quotes the file
+        raise ValueError(f"{path}: not a readable tokenizer.json (not UTF-8 JSON that the tokenizers "
+                         f"package accepts)") from None
+
+
+def _tokenizer_file(path: str, folder: str) -> bool:
+    """Whether the tokenizer file ``path`` is there: True for a regular file inside ``folder``, False
+    when absent; CheckpointError naming it when it is a FIFO, directory or device, or a symlink that
+    resolves outside ``folder`` (its bytes are never read, copied or quoted then)."""
+    if not regular(path):
+        return False
+    check_inside(path, folder, "the checkpoint directory")
+    return True
 
 
 def _encode(prompt: str, tokenizer: Any) -> list[int]:
     if tokenizer is not None:
-        return tokenizer.encode(prompt).ids
+        ids = tokenizer.encode(prompt).ids
+        if not ids:
+            raise ValueError(f"--prompt: the tokenizer encodes {prompt[:40]!r} as no tokens; expected at least one")
+        return ids
     try:
         ids = [int(v) for v in prompt.split()]
     except ValueError:
@@ -90,6 +154,24 @@ def _encode(prompt: str, tokenizer: Any) -> list[int]:
     if not ids:
         raise ValueError("--prompt: expected at least one token")
     return ids
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for sampling options given with greedy decoding (they would be ignored)."""
+    if args.temperature == 0:
+        for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p)):
+            if value is not None:
+                raise ValueError(f"{flag}: only with sampling (--temperature > 0); --temperature 0 is greedy "
+                                 f"and would ignore it")
+
+
+def _check_ids(ids: list[int], eos: int | None, vocab: int) -> None:
+    """ValueError naming the flag for prompt ids or an --eos-token-id outside the model's vocabulary."""
+    wrong = [i for i in ids if not 0 <= i < vocab]
+    if wrong:
+        raise ValueError(f"--prompt: expected token ids in [0, {vocab}) for this model, got {wrong[0]}")
+    if eos is not None and not -1 <= eos < vocab:
+        raise ValueError(f"--eos-token-id: expected an id in [0, {vocab}) or -1 (never stop early), got {eos}")
 
 
 def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
@@ -136,9 +218,11 @@ def _load(args: argparse.Namespace, path: str) -> Mamba2LM:
 
 
 def _generate(args: argparse.Namespace, out: TextIO) -> int:
+    _check_sampling_flags(args)
     tokenizer = None if args.ids else _tokenizer(args.model)
     decode, ids = _decoder(tokenizer), _encode(args.prompt, tokenizer)
     lm = _load(args, args.model)
+    _check_ids(ids, args.eos_token_id, lm.vocab_size)
     prompt_length = len(ids)
     eos = lm.eos_token_id if args.eos_token_id is None else args.eos_token_id
     start = time.perf_counter()
@@ -176,25 +260,31 @@ def _convert(args: argparse.Namespace, out: TextIO) -> int:
     if not args.dst.endswith(".safetensors"):
         raise ValueError(f"DST: expected a .safetensors file name (convert writes safetensors only, never "
                          f"pickle), got {args.dst!r}")
+    src = _folder(args.src)
+    names = [name for name in TOKENIZER_FILES if _tokenizer_file(os.path.join(src, name), src)]
     lm = _load(args, args.src)
     try:
         lm.save(args.dst)
     except OSError as err:  # the saver writes a temporary file beside DST: name the user's path
         raise OSError(err.errno, err.strerror or str(err), args.dst) from err
-    copied = _copy_tokenizer(_folder(args.src), os.path.dirname(os.path.abspath(args.dst)))
+    copied = _copy_tokenizer(src, os.path.dirname(os.path.abspath(args.dst)), names)
     out.write(f"wrote {args.dst}: {lm.num_parameters:,} parameters, {lm.dtype}, from a {lm.layout} checkpoint"
               + (f"; copied {', '.join(copied)}" if copied else "") + "\n")
     return 0
 
 
-def _copy_tokenizer(src: str, dst: str) -> list[str]:
-    """Copies the tokenizer files of folder ``src`` into folder ``dst``; returns the names copied."""
+def _copy_tokenizer(src: str, dst: str, names: list[str]) -> list[str]:
+    """Copies the tokenizer files ``names`` (checked by :func:`_tokenizer_file`) of folder ``src``
+    into folder ``dst``, each replaced atomically (a symlink already at the target is replaced,
+    never written through); returns the names copied."""
     copied = []
-    for name in TOKENIZER_FILES:
+    for name in names:
         source, target = os.path.join(src, name), os.path.join(dst, name)
-        if os.path.isfile(source) and not (os.path.exists(target) and os.path.samefile(source, target)):
-            shutil.copyfile(source, target)
-            copied.append(name)
+        if os.path.exists(target) and os.path.samefile(source, target):
+            continue
+        data = read_regular(source, TOKENIZER_LIMIT)
+        replace_atomically(target, lambda f, data=data: f.write(data))
+        copied.append(name)
     return copied
 
 
@@ -212,19 +302,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate text from a pretrained model, streamed to stdout",
                               description="Generate from a checkpoint directory or a save_params file.")
-    gen.add_argument("--model", required=True, help="checkpoint directory (transformers or state-spaces) "
+    gen.add_argument("--model", required=True, type=_path, help="checkpoint directory (transformers or state-spaces) "
                      "or a file written by portable-ssm convert")
     gen.add_argument("--prompt", required=True,
                      help="text (with tokenizer.json next to the model) or integer ids '1 2 3'")
     gen.add_argument("--ids", action="store_true",
                      help="the prompt is integer token ids and the output is ids: no tokenizer is loaded "
                           "(no tokenizers package needed)")
-    gen.add_argument("--max-new-tokens", type=int, default=32, help="tokens to add (default 32)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    gen.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    gen.add_argument("--top-p", type=float, default=None, help="sample in the nucleus of probability p")
-    gen.add_argument("--seed", type=int, default=None, help="seed of the sampling noise")
-    gen.add_argument("--eos-token-id", type=int, default=None,
+    gen.add_argument("--max-new-tokens", type=_count(0), default=32, help="tokens to add (default 32)")
+    gen.add_argument("--temperature", type=_number(0.0, math.inf, low_open=False), default=0.0,
+                     help="0 is greedy (default); > 0 samples")
+    gen.add_argument("--top-k", type=_count(1), default=None,
+                     help="sample among the k most likely tokens (with --temperature > 0)")
+    gen.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=None,
+                     help="sample in the nucleus of probability p in (0, 1] (with --temperature > 0)")
+    gen.add_argument("--seed", type=_count(0), default=None, help="seed of the sampling noise")
+    gen.add_argument("--eos-token-id", type=_count(-1), default=None,
                      help="stop at this id (default: the checkpoint's eos_token_id; -1: never stop early)")
     _add_backend_args(gen)
     gen.add_argument("--device", default=None, help="device, e.g. cpu or cuda:0 (default: the backend's)")
@@ -237,15 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="print a checkpoint's config, parameter count and dtype",
                                description="Describe a checkpoint directory or a save_params file.")
-    info.add_argument("path", help="checkpoint directory or save_params file")
+    info.add_argument("path", type=_path, help="checkpoint directory or save_params file")
 
     conv = commands.add_parser("convert", help="write a checkpoint as one safetensors file in core names",
                                description="Convert a transformers or state-spaces checkpoint to a "
                                            "portable_ssm safetensors file (checkpoint.save_params); the "
                                            f"tokenizer files ({', '.join(TOKENIZER_FILES)}) next to SRC are "
                                            "copied next to DST.")
-    conv.add_argument("src", help="checkpoint directory or save_params file")
-    conv.add_argument("dst", help="the .safetensors file to write (other suffixes are refused)")
+    conv.add_argument("src", type=_path, help="checkpoint directory or save_params file")
+    conv.add_argument("dst", type=_path, help="the .safetensors file to write (other suffixes are refused)")
     _add_backend_args(conv)
 
     commands.add_parser("build-kernels", help="build the CPU kernels now, not at the first call",
@@ -295,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, OSError, ValueError, TypeError, ImportError) as err:
         print(f"portable-ssm {command}: error: {_message(err)}", file=sys.stderr)
         return ERROR_STATUS
+    except KeyboardInterrupt:
+        print(f"portable-ssm {command}: error: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
+    except Exception as err:  # noqa: BLE001 (a bug or a backend failure: still one line, never a traceback)
+        print(f"portable-ssm {command}: error: unexpected {type(err).__name__}: {_message(err)}", file=sys.stderr)
+        return UNEXPECTED_STATUS
 
 
 if __name__ == "__main__":

@@ -35,6 +35,14 @@ NATIVE_BFLOAT16 = ("torch", "jax")
 #: Parameter names (their last two parts) stored in low precision.
 QUANTIZED_LEAVES = ("in_proj.weight", "out_proj.weight", "embedding.weight", "lm_head.weight")
 _INT8_MAX = 127
+#: The float32 from which rounding to bfloat16 (nearest, ties to even) gives infinity: 0x7F7F8000.
+BFLOAT16_OVERFLOW = float.fromhex("0x1.ff0000p+127")
+#: The smallest normal float32: an int8 row scale is never below it (``max|row| / 127`` of a row of
+#: subnormals may round to 0, and ``row / 0`` is NaN: such a row is stored as zeros instead).
+_SMALLEST_SCALE = float.fromhex("0x1p-126")
+#: The largest float32 scale whose 127 multiple is finite in float32: a row holding values near the
+#: float32 maximum gets it (``max|row| / 127`` rounds up there, and ``127 · scale`` to infinity).
+_LARGEST_SCALE = float.fromhex("0x1.020406p+121")
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +66,10 @@ class QuantizedWeight:
     kind: str
     dtype: Any
     packed: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("int8", "bfloat16"):
+            raise ValueError(f"kind: expected 'int8' or 'bfloat16', got {self.kind!r}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -87,7 +99,8 @@ class QuantizedWeight:
 
 def _quantize_int8(w: Array, *, xp: Namespace) -> QuantizedWeight:
     absmax = xp.max(xp.abs(w), axis=1)  # [out]
-    scale = xp.where(absmax > 0, absmax, xp.ones_like(absmax)) / _INT8_MAX  # all-zero rows: scale 1/127
+    scale = xp.clip(absmax / _INT8_MAX, _SMALLEST_SCALE, _LARGEST_SCALE)  # never 0, never 127·scale = inf
+    scale = xp.where(absmax > 0, scale, xp.full_like(absmax, 1 / _INT8_MAX))  # all-zero rows: scale 1/127
     q = xp.clip(xp.round(w / scale[:, None]), -_INT8_MAX, _INT8_MAX)  # [out, in]
     return QuantizedWeight(xp.astype(q, xp.int8), scale, "int8", w.dtype)
 
@@ -114,9 +127,17 @@ def quantize(params: dict[str, Array], kind: str) -> dict[str, Any]:
         ``*out_proj.weight``, ``embedding.weight`` and ``lm_head.weight``; the other arrays are
         the same objects. Forward, logits and generation accept it like the float32 dict; move
         or cast params (:func:`portable_ssm.cast_params`, ``backend=``) before quantizing them.
+
+    Raises:
+        TypeError: ``params`` not a dict of str -> arrays, ``kind`` not a str, a weight to convert
+            that is not a float32 matrix or is already a :class:`QuantizedWeight` (naming the key).
+        ValueError: an unknown ``kind``; a weight with inf or NaN (naming the key and the row: its
+            int8 scale would be NaN or infinite and poison the row); for ``"bfloat16"`` a magnitude
+            of :data:`BFLOAT16_OVERFLOW` or more, which would round to infinity.
     """
-    if not isinstance(params, dict):
-        raise TypeError(f"params: expected a dict of arrays, got {type(params).__name__}")
+    _check_params(params)
+    if not isinstance(kind, str):
+        raise TypeError(f"kind: expected one of {', '.join(map(repr, KINDS))} as a str, got {type(kind).__name__}")
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {', '.join(map(repr, KINDS))}, got {kind!r}")
     if kind == "float32":
@@ -128,22 +149,52 @@ def quantize(params: dict[str, Array], kind: str) -> dict[str, Any]:
             out[name] = value
             continue
         xp = namespace(**{f"params[{name!r}]": value})
-        weight = convert(_checked_weight(name, value), xp=xp)
+        weight = convert(_checked_weight(name, value, kind), xp=xp)
         pack = fast_op(xp, "pack_quantized")
         out[name] = weight if pack is None else pack(weight)
     return out
 
 
-def _checked_weight(name: str, w: Any) -> Array:
-    """``w`` when it is a finite float32 matrix; TypeError / ValueError naming the key otherwise."""
+def _check_params(params: Any) -> None:
+    """TypeError naming the key unless ``params`` is a dict of str -> array (or QuantizedWeight)."""
+    if not isinstance(params, dict):
+        raise TypeError(f"params: expected a dict of arrays, got {type(params).__name__}")
+    for name, value in params.items():
+        if not isinstance(name, str):
+            raise TypeError(f"params: expected str keys, got {type(name).__name__} {name!r}")
+        if not isinstance(value, QuantizedWeight):
+            namespace(**{f"params[{name!r}]": value})  # TypeError naming the key for a non-array (None too)
+            if value is None:
+                raise TypeError(f"params[{name!r}]: expected an array, got None")
+
+
+def _first_row(mask: Array, *, xp: Namespace) -> int:
+    """The index of the first true row of a boolean ``[out, in]`` mask (one that has a true)."""
+    rows = xp.any(mask, axis=1)  # [out]
+    return int(xp.argmax(xp.astype(rows, xp.int32)))
+
+
+def _checked_weight(name: str, w: Any, kind: str) -> Array:
+    """``w`` when it is a finite float32 matrix that ``kind`` can hold; TypeError / ValueError naming
+    the key (and the first bad row) otherwise: a non-finite weight would make its row's int8 scale
+    NaN or infinite and poison the whole row, and bfloat16 rounds magnitudes from
+    :data:`BFLOAT16_OVERFLOW` up to infinity."""
     if isinstance(w, QuantizedWeight):
         raise TypeError(f"params[{name!r}]: already quantized ({w.kind}); quantize float32 params")
     xp = namespace(**{f"params[{name!r}]": w})
     if w.dtype != xp.float32 or w.ndim != 2:
         raise TypeError(f"params[{name!r}]: expected a float32 [out, in] matrix, got {dtype_name(w.dtype)} "
                         f"of shape {tuple(w.shape)} (portable_ssm.cast_params(params, 'float32') first)")
-    if not bool(xp.all(xp.isfinite(w))):
-        raise ValueError(f"params[{name!r}]: expected finite values, got inf or nan")
+    finite = xp.isfinite(w)  # [out, in]
+    if not bool(xp.all(finite)):
+        raise ValueError(f"params[{name!r}]: expected finite values, got inf or nan in row "
+                         f"{_first_row(xp.logical_not(finite), xp=xp)}")
+    if kind == "bfloat16":
+        beyond = xp.abs(w) >= BFLOAT16_OVERFLOW  # [out, in]
+        if bool(xp.any(beyond)):
+            raise ValueError(f"params[{name!r}]: row {_first_row(beyond, xp=xp)} holds a magnitude of at least "
+                             f"{BFLOAT16_OVERFLOW:.7g}, which bfloat16 rounds to infinity; use 'int8' or "
+                             f"scale the weight")
     return w
 
 
@@ -198,12 +249,23 @@ def quantized_matmul(rows: Array, w: QuantizedWeight, *, xp: Namespace) -> Array
 
 
 def params_nbytes(params: dict[str, Any]) -> int:
-    """Bytes held by a parameter dict, quantized weights counted by their storage."""
+    """Bytes held by a parameter dict, quantized weights counted by their storage (TypeError naming
+    the key for a value that is no array)."""
+    _check_params(params)
     total = 0
-    for value in params.values():
+    for name, value in params.items():
         if isinstance(value, QuantizedWeight):
             total += value.nbytes
             continue
-        xp = namespace(value=value)
-        total += math.prod(value.shape) * xp.finfo(value.dtype).bits // 8
+        xp = namespace(**{f"params[{name!r}]": value})
+        total += math.prod(value.shape) * _itemsize(value.dtype, xp=xp)
     return total
+
+
+def _itemsize(dtype: Any, *, xp: Namespace) -> int:
+    """Bytes per element of an array-API dtype (bool: 1)."""
+    if dtype == xp.bool:
+        return 1
+    info = xp.finfo(dtype) if xp.isdtype(dtype, "real floating") or xp.isdtype(dtype, "complex floating") \
+        else xp.iinfo(dtype)
+    return info.bits // 8 * (2 if xp.isdtype(dtype, "complex floating") else 1)

@@ -26,6 +26,7 @@ from ..config import Mamba2Config
 from ..params import Params, check_params, param_shapes
 from ..quantized import QuantizedWeight
 from .errors import CheckpointError
+from .paths import as_path
 from .strict_json import SHORT, loads
 
 if TYPE_CHECKING:
@@ -57,6 +58,10 @@ def _write(path: str | os.PathLike, arrays: dict[str, Array], metadata: dict[str
     safetensors form here, so checkpoints keep the float weights and quantize after loading."""
     from .safetensors import write_safetensors
 
+    path = as_path(path)
+    _check_names(name, arrays)
+    if metadata is not None:
+        _check_names("metadata", metadata)
     for key, value in arrays.items():
         if isinstance(value, QuantizedWeight):
             raise TypeError(f"{name}[{key!r}]: a QuantizedWeight ({value.kind}, from portable_ssm.quantize) cannot be "
@@ -72,13 +77,23 @@ def _write(path: str | os.PathLike, arrays: dict[str, Array], metadata: dict[str
     write_safetensors(path, host, dict(metadata or {}), narrow=narrow)
 
 
+def _check_names(name: str, mapping: Any) -> None:
+    """TypeError naming ``name`` unless ``mapping`` is a dict with str keys (an int key would be
+    written as its decimal string and come back as one)."""
+    if not isinstance(mapping, dict):
+        raise TypeError(f"{name}: expected a dict with str keys, got {type(mapping).__name__}")
+    for key in mapping:
+        if not isinstance(key, str):
+            raise TypeError(f"{name}: expected str keys, got {type(key).__name__} {key!r}")
+
+
 def load_arrays(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
                 device: Any = None) -> tuple[dict[str, Array], dict[str, str]]:
     """Reads a safetensors file: ``(arrays on backend, metadata)``. Arrays come back in their stored
     dtype (``dtype=`` casts every floating one instead; BF16 comes back float32 on backends without
     bfloat16). Raises :class:`CheckpointError` naming the file and the
     tensor when it is truncated or corrupt."""
-    path = os.fspath(path)
+    path = as_path(path)
     _check_dtype(dtype)
     return _on_backend(path, _read(path), backend, dtype, device)
 
@@ -164,7 +179,7 @@ def load_params(path: str | os.PathLike, *, backend: str = "numpy", dtype: str |
     """Reads a :func:`save_params` file: ``(params, config)`` on ``backend`` (optionally cast to
     ``dtype`` and moved to ``device``). Raises :class:`CheckpointError` naming the file and the
     tensor for truncated, corrupt or mismatched files."""
-    path = os.fspath(path)
+    path = as_path(path)
     _check_dtype(dtype)
     contents = _read(path)
     config = _config(path, contents.metadata)

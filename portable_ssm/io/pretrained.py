@@ -13,7 +13,11 @@ and a Hub id (``"org/name"``) is a directory of the local Hugging Face cache, do
 only when it is not cached and ``huggingface_hub`` is installed.
 
 Files are hostile until checked: JSON is type-checked key by key, the config is bounded against
-the weight files' sizes before a tensor is read, and shard names stay inside the directory.
+the weight files' sizes before a tensor is read, and shard names stay inside the directory. Only
+regular files are read (a FIFO or directory in a file's place is a CheckpointError naming it);
+JSON files must resolve inside the directory, and in a Hub cache snapshot every file must resolve
+into the snapshot or its repository's ``blobs/`` (:mod:`portable_ssm.io.paths`); a cache ref must
+be a small regular file holding a commit hash. No error quotes a refused file's bytes.
 
 Safetensors files are read with numpy alone (bfloat16 widened to float32 exactly, by
 :mod:`portable_ssm.io.safetensors`), so a numpy-only install loads them. Every checkpoint
@@ -26,13 +30,15 @@ import os
 import re
 from typing import Any
 
-from ..backends import load, to_backend
+from ..backends import NAMES, load, to_backend
 from ..language_model import Mamba2LM
 from ..quantized import KINDS
 from .checkpoint import load_params
 from .errors import CheckpointError
+from .generation_config import FILE_NAME as GENERATION_CONFIG
 from .generation_config import read_generation_config
 from .layouts import Tensors, config_fields, eos_token_ids, minimum_bytes, sanitize, shown
+from .paths import allowed_roots, as_path, check_inside, read_regular, regular
 from .strict_json import loads, read_file
 
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
@@ -40,6 +46,7 @@ _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _DRIVE = re.compile(r"^[A-Za-z]:")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_REF_LIMIT = 1024  # a ref is a 40-digit hash (and maybe a newline)
 
 
 def _read_torch_bin(path: str) -> Tensors:
@@ -99,23 +106,32 @@ def _weight_map(index: str, folder: str) -> dict[str, str]:
     return {tensor: _shard_path(folder, index, shard) for tensor, shard in weight_map.items()}
 
 
+def _check_weight_file(path: str, folder: str) -> str:
+    """``path``, checked: in a Hub cache snapshot every file must resolve into the snapshot or its
+    repository's ``blobs/``; a local directory's weight file may link anywhere (another disk)."""
+    if len(allowed_roots(folder)) > 1:
+        check_inside(path, folder)
+    return path
+
+
 def _weight_files(folder: str) -> tuple[list[str], str | None, dict[str, str]]:
     """``(weight files, shard index or None, its weight_map)`` of a checkpoint directory:
     safetensors (sharded or not) first, then torch .bin."""
     for name in _INDEXES:
         index = os.path.join(folder, name)
-        if os.path.isfile(index):
+        if regular(index):
             weight_map = _weight_map(index, folder)
             for path in sorted(set(weight_map.values())):
-                if not os.path.isfile(path):
+                if not regular(path):
                     raise CheckpointError(f"{index}: shard {os.path.relpath(path, folder)!r} is listed but missing")
+                _check_weight_file(path, folder)
             return sorted(set(weight_map.values())), index, weight_map
     for name in ("model.safetensors", "pytorch_model.bin"):
-        if os.path.isfile(os.path.join(folder, name)):
-            return [os.path.join(folder, name)], None, {}
+        if regular(os.path.join(folder, name)):
+            return [_check_weight_file(os.path.join(folder, name), folder)], None, {}
     others = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
-    if len(others) == 1:
-        return [os.path.join(folder, others[0])], None, {}
+    if len(others) == 1 and regular(os.path.join(folder, others[0])):
+        return [_check_weight_file(os.path.join(folder, others[0]), folder)], None, {}
     raise CheckpointError(f"{folder}: no weights found (looked for model.safetensors[.index.json], "
                           f"pytorch_model.bin[.index.json] or a single *.safetensors file)")
 
@@ -203,15 +219,32 @@ def _cached_snapshot(repo_id: str, revision: str) -> str | None:
     if not _COMMIT.match(revision):
         if any(part in ("", ".", "..") for part in revision.split("/")):
             return None
-        try:
-            with open(os.path.join(repo, "refs", *revision.split("/")), encoding="utf-8") as f:
-                commit = f.read(128).strip()
-        except OSError:
-            return None
-        if not _COMMIT.match(commit):
+        commit = _read_ref(repo, os.path.join(repo, "refs", *revision.split("/")))
+        if commit is None:
             return None
     snapshot = os.path.join(repo, "snapshots", commit)
-    return snapshot if os.path.isfile(os.path.join(snapshot, "config.json")) else None
+    if not os.path.lexists(snapshot):
+        return None
+    if os.path.realpath(snapshot) != os.path.join(os.path.realpath(repo), "snapshots", commit) \
+            or not os.path.isdir(snapshot):
+        raise CheckpointError(f"{snapshot}: a Hugging Face cache snapshot must be a directory of that cache, "
+                              f"not a symlink or a file")
+    return snapshot if regular(os.path.join(snapshot, "config.json")) else None
+
+
+def _read_ref(repo: str, ref: str) -> str | None:
+    """The commit hash in the cache's ref file ``ref`` (None when there is none); CheckpointError
+    naming it when it is a FIFO, directory or device, a symlink out of ``repo/refs``, larger than a
+    hash, or holds anything but 40 hex digits (whose bytes the message never quotes)."""
+    if not regular(ref):
+        return None
+    check_inside(ref, os.path.join(repo, "refs"), "the cache's refs/ folder")
+    text = read_regular(ref, _REF_LIMIT)
+    commit = text.strip().decode("ascii", errors="replace")
+    if not _COMMIT.match(commit):
+        raise CheckpointError(f"{ref}: a Hugging Face cache ref must hold a 40-hex-digit commit hash; this one "
+                              f"({len(text)} bytes) does not")
+    return commit
 
 
 def _from_hub(repo_id: str, revision: str | None, local_files_only: bool) -> str:
@@ -219,8 +252,6 @@ def _from_hub(repo_id: str, revision: str | None, local_files_only: bool) -> str
     installed and downloads allowed) a fresh ``snapshot_download``; FileNotFoundError saying what
     to run otherwise."""
     revision = revision or "main"
-    if not isinstance(revision, str):
-        raise TypeError(f"revision: expected a branch, tag or commit hash as a str, got {type(revision).__name__}")
     cached = _cached_snapshot(repo_id, revision)
     if cached is not None:
         return cached
@@ -236,6 +267,33 @@ def _from_hub(repo_id: str, revision: str | None, local_files_only: bool) -> str
         f"{repo_id}: no such local path, and the Hugging Face cache {hub_cache()} holds no snapshot of it "
         f"at revision {revision!r}; download it with: pip install 'portable-ssm[hub]' && "
         f"hf download {repo_id} --revision {revision}")
+
+
+def _check_arguments(path: Any, revision: Any, local_files_only: Any, weights: Any, dtype: Any,
+                     backend: Any) -> str:
+    """``path`` as a str after checking the arguments that say where and how to load (before any
+    file is read); TypeError or ValueError naming the argument otherwise."""
+    path = as_path(path)
+    if not isinstance(backend, str) or backend not in NAMES:
+        raise ValueError(f"backend: expected one of {', '.join(NAMES)}, got {backend!r}")
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in _FLOATS):
+        raise ValueError(f"dtype: expected None or one of {', '.join(_FLOATS)}, got {dtype!r}")
+    if revision is not None and not isinstance(revision, str):
+        raise TypeError(f"revision: expected a branch, tag or commit hash as a str, got {type(revision).__name__}")
+    if revision is not None and (not revision or "\0" in revision or "\\" in revision or len(revision) > 255):
+        raise ValueError(f"revision: expected a branch, tag or commit hash (1 to 255 characters, no NUL or "
+                         f"backslash), got {revision[:80]!r}")
+    if not isinstance(local_files_only, bool):
+        raise TypeError(f"local_files_only: expected True or False, got {type(local_files_only).__name__}")
+    if not isinstance(weights, str):
+        raise TypeError(f"weights: expected one of {', '.join(map(repr, KINDS))} as a str, got "
+                        f"{type(weights).__name__}")
+    if weights not in KINDS:
+        raise ValueError(f"weights: expected one of {', '.join(map(repr, KINDS))}, got {weights!r}")
+    if weights != "float32" and dtype not in (None, "float32"):
+        raise ValueError(f"weights: {weights!r} stores float32 params in low precision; got dtype={dtype!r} "
+                         f"(pass dtype=None or 'float32')")
+    return path
 
 
 def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
@@ -264,22 +322,21 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
     shard indexes naming files outside the directory; FileNotFoundError when nothing is at
     ``path`` (for a Hub id: saying what to run to download it).
     """
-    path = os.fspath(path)
-    if weights not in KINDS:
-        raise ValueError(f"weights: expected one of {', '.join(map(repr, KINDS))}, got {weights!r}")
-    if not os.path.exists(path) and _REPO_ID.match(path):
+    path = _check_arguments(path, revision, local_files_only, weights, dtype, backend)
+    if not os.path.lexists(path) and _REPO_ID.match(path):
         path = _from_hub(path, revision, local_files_only)
     elif revision is not None:
         raise ValueError(f"revision: only for a Hugging Face Hub id, but {path!r} is a local path")
-    if os.path.isfile(path):
+    if not os.path.isdir(path) and regular(path):
         return _load_file(path, backend, dtype, device).quantize(weights)
     config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
+    if not os.path.isdir(path) or not regular(config_path):
         raise FileNotFoundError(f"{path}: expected a checkpoint directory with config.json or a file "
                                 f"written by portable_ssm.save_params")
     raw = read_file(config_path)
     fields = config_fields(raw, path)
     eos = eos_token_ids(raw.get("eos_token_id"), f"{path}: config.json")
+    regular(os.path.join(path, GENERATION_CONFIG))  # a FIFO or directory in its place is an error, not "none"
     files, index, weight_map = _weight_files(path)
     _check_sizes(config_path, fields, files)
     config, host, vocab = sanitize(fields, _read_weights(files, index, weight_map), path)

@@ -15,6 +15,7 @@ import reprlib
 from typing import Any
 
 from .errors import CheckpointError
+from .paths import check_inside, read_regular
 
 #: Bounded ``repr`` for values quoted in error messages (a hostile value may be megabytes long).
 SHORT = reprlib.Repr()
@@ -51,15 +52,18 @@ def loads(text: str | bytes, where: str) -> Any:
 def read_file(path: str) -> Any:
     """The JSON document in the file at ``path`` (config.json, shard indexes, generation_config.json):
     Python's JSON, NaN and Infinity included (transformers writes ``[0.0, Infinity]``); CheckpointError
-    naming the file when it is not one (too big, not UTF-8, malformed, a key twice in one object,
-    or nested too deep)."""
-    if os.path.getsize(path) > _JSON_LIMIT:
-        raise CheckpointError(f"{path}: {os.path.getsize(path)} bytes, more than the {_JSON_LIMIT} a JSON "
-                              f"file of a checkpoint may hold")
+    naming the file when it is not one (a FIFO, device or directory, a symlink out of its directory,
+    too big, not UTF-8, malformed, a key twice in one object, or nested too deep). Messages never
+    quote the file's bytes beyond a repeated key's name."""
+    check_inside(path, os.path.dirname(path) or ".")
+    data = read_regular(path, _JSON_LIMIT)
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f, object_pairs_hook=_unique)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path}: not valid JSON (not UTF-8 at byte {err.start})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique)
     except RecursionError:
         raise CheckpointError(f"{path}: not valid JSON (nested too deep)") from None
-    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError and a repeated key are ValueErrors
+    except ValueError as err:  # JSONDecodeError and a repeated key are ValueErrors
         raise CheckpointError(f"{path}: not valid JSON ({err})") from None
