@@ -1,0 +1,67 @@
+"""MkDocs hook: the API reference, generated from ``__all__`` at every build.
+
+``docs/api.md`` holds one ``<!-- api: PACKAGE -->`` marker per public package; at build time each
+becomes one mkdocstrings block per name of that package's ``__all__``, pointing at the module that
+defines it, so a name added to ``__all__`` appears in the reference with no edit here.
+
+mkdocstrings reads the sources statically (griffe), and the installed layout differs from the
+repository's (``backends/`` and ``market/`` are installed as ``portable_ssm.backends`` and
+``portable_ssm.market``: pyproject.toml's ``package-dir``), so ``on_config`` mirrors the installed
+layout with a copy of the sources under ``build/api-src`` (the handler's ``paths`` in mkdocs.yml;
+griffe follows symbolic links to the real folder, so links would not do).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+MIRROR = ROOT / "build" / "api-src"
+MARKER = re.compile(r"^<!-- api: ([\w.]+) -->$", re.M)
+
+
+def mirror_installed_layout(root: Path = ROOT, mirror: Path = MIRROR) -> Path:
+    """Copy the repository's package folders into ``mirror`` as pyproject.toml installs them."""
+    package_dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    shutil.rmtree(mirror, ignore_errors=True)
+    for package in sorted(package_dirs, key=lambda name: name.count(".")):  # parents before children
+        shutil.copytree(root / package_dirs[package], mirror.joinpath(*package.split(".")), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    return mirror
+
+
+def public_names(package: str) -> dict[str, str]:
+    """Each name of ``package.__all__`` and the dotted path of the object in its defining module."""
+    module = importlib.import_module(package)
+    paths = {}
+    for name in module.__all__:
+        obj = getattr(module, name)
+        defined_in = getattr(obj, "__module__", None) if callable(obj) else None
+        if defined_in is None:  # a constant: the submodule that assigns it
+            defined_in = next(m for m, mod in sorted(sys.modules.items())
+                              if m.startswith(package + ".") and getattr(mod, name, None) is obj)
+        qualname = getattr(obj, "__qualname__", name) if callable(obj) else name
+        paths[name] = f"{defined_in}.{qualname}"
+    return paths
+
+
+def api_markdown(package: str) -> str:
+    """The mkdocstrings blocks of one package's reference, a section per public name."""
+    blocks = [f"::: {path}\n    options:\n      heading: {name}\n      toc_label: {name}\n"
+              for name, path in public_names(package).items()]
+    return "\n".join(blocks)
+
+
+def on_config(config):
+    mirror_installed_layout()
+    return config
+
+
+def on_page_markdown(markdown, page, config, files):
+    return MARKER.sub(lambda m: api_markdown(m[1]), markdown)
