@@ -12,6 +12,7 @@ reference covers the public API.
 from __future__ import annotations
 
 import html
+import importlib
 import importlib.util
 import inspect
 import os
@@ -80,30 +81,30 @@ def plain(markdown: str) -> str:
     return "".join(markdown.replace("`", "").split())
 
 
-@pytest.fixture(scope="module")
-def api_page(tmp_path_factory) -> str:
+@pytest.fixture
+def api_page(tmp_path) -> str:
+    """The API page of a site built with ``mkdocs build --strict`` (the [docs] extra, in [test])."""
     pytest.importorskip("mkdocstrings_handlers.python", reason="the [docs] extra builds the site")
-    site = tmp_path_factory.mktemp("site")
+    site = tmp_path / "site"
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     return (site / "api" / "index.html").read_text()
 
 
-@pytest.mark.parametrize("package", ["portable_ssm", "portable_ssm.market"])
-def test_the_api_reference_has_every_public_name_with_its_docstring(package, api_page):
-    if package == "portable_ssm.market" and not importlib.util.find_spec("databento_dbn"):
-        pytest.skip("portable_ssm.market needs databento-dbn (the [market] extra)")
-    module = __import__(package, fromlist=["__all__"])
-    paths = load_api_hook().public_names(package)
-    assert list(paths) == list(module.__all__)
-    for name, path in paths.items():
-        assert f'id="{path}"' in api_page, f"{package}.{name}: no section {path} on the API page"
-        obj = getattr(module, name)
-        doc = inspect.getdoc(obj) if callable(obj) else attribute_docstring(path)
-        assert doc, f"{package}.{name} has no docstring"
-        first = plain(doc.split("\n\n")[0].splitlines()[0])
-        assert first in section_after(api_page, path), f"{package}.{name}: its docstring is not on the API page"
+def test_the_api_reference_has_every_public_name_with_its_docstring(api_page):
+    hook = load_api_hook()
+    for package in ("portable_ssm", "portable_ssm.market"):  # one build for both: the site takes seconds
+        module = importlib.import_module(package)
+        paths = hook.public_names(package)
+        assert list(paths) == list(module.__all__)
+        for name, path in paths.items():
+            assert f'id="{path}"' in api_page, f"{package}.{name}: no section {path} on the API page"
+            obj = getattr(module, name)
+            doc = inspect.getdoc(obj) if callable(obj) else attribute_docstring(path)
+            assert doc, f"{package}.{name} has no docstring"
+            first = plain(doc.split("\n\n")[0].splitlines()[0])
+            assert first in section_after(api_page, path), f"{package}.{name}: its docstring is not on the API page"
 
 
 def attribute_docstring(path: str) -> str | None:

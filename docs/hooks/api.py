@@ -7,8 +7,9 @@ defines it, so a name added to ``__all__`` appears in the reference with no edit
 mkdocstrings reads the sources statically (griffe), and the installed layout differs from the
 repository's (``backends/`` and ``market/`` are installed as ``portable_ssm.backends`` and
 ``portable_ssm.market``: pyproject.toml's ``package-dir``), so ``on_config`` mirrors the installed
-layout with a copy of the sources under ``build/api-src`` (the handler's ``paths`` in mkdocs.yml;
-griffe follows symbolic links to the real folder, so links would not do).
+layout with a copy of the sources in a temporary folder of its own (so builds at the same time do
+not share one; griffe follows symbolic links to the real folder, so links would not do) and points
+the mkdocstrings handler's ``paths`` at it before mkdocstrings reads its configuration.
 """
 
 from __future__ import annotations
@@ -17,19 +18,19 @@ import importlib
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import tomllib
+from mkdocs.plugins import event_priority
 
 ROOT = Path(__file__).resolve().parents[2]
-MIRROR = ROOT / "build" / "api-src"
 MARKER = re.compile(r"^<!-- api: ([\w.]+) -->$", re.M)
 
 
-def mirror_installed_layout(root: Path = ROOT, mirror: Path = MIRROR) -> Path:
+def mirror_installed_layout(mirror: Path, root: Path = ROOT) -> Path:
     """Copy the repository's package folders into ``mirror`` as pyproject.toml installs them."""
     package_dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    shutil.rmtree(mirror, ignore_errors=True)
     for package in sorted(package_dirs, key=lambda name: name.count(".")):  # parents before children
         shutil.copytree(root / package_dirs[package], mirror.joinpath(*package.split(".")), dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.so"))
@@ -58,9 +59,21 @@ def api_markdown(package: str) -> str:
     return "\n".join(blocks)
 
 
+_mirror: tempfile.TemporaryDirectory | None = None
+
+
+@event_priority(100)  # before mkdocstrings' own on_config reads the handler's options
 def on_config(config):
-    mirror_installed_layout()
+    global _mirror
+    _mirror = tempfile.TemporaryDirectory(prefix="portable_ssm-api-src-")
+    python = config.plugins["mkdocstrings"].config.handlers.setdefault("python", {})
+    python["paths"] = [str(mirror_installed_layout(Path(_mirror.name)))]
     return config
+
+
+def on_shutdown():
+    if _mirror is not None:
+        _mirror.cleanup()
 
 
 def on_page_markdown(markdown, page, config, files):
