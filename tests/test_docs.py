@@ -77,8 +77,8 @@ def section_after(page_html: str, anchor: str) -> str:
 
 
 def plain(markdown: str) -> str:
-    """A docstring line as ``section_after`` shows it: markup and whitespace removed."""
-    return "".join(markdown.replace("`", "").split())
+    """A docstring line as ``section_after`` shows it: Sphinx roles, backticks and whitespace removed."""
+    return "".join(re.sub(r":\w+:(?=`)", "", markdown).replace("`", "").split())
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from mkdocs.plugins import event_priority
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^<!-- api: ([\w.]+) -->$", re.M)
+SPHINX_ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|exc|obj):(?=<code>)")  # the docstrings' roles
 
 
 def mirror_installed_layout(mirror: Path, root: Path = ROOT) -> Path:
@@ -78,3 +79,8 @@ def on_shutdown():
 
 def on_page_markdown(markdown, page, config, files):
     return MARKER.sub(lambda m: api_markdown(m[1]), markdown)
+
+
+def on_page_content(html, page, config, files):
+    """Drop the Sphinx roles of the docstrings (``:func:`name``` renders as ``:func:<code>name</code>``)."""
+    return SPHINX_ROLE.sub("", html)
