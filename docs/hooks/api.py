@@ -15,6 +15,7 @@ the mkdocstrings handler's ``paths`` at it before mkdocstrings reads its configu
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import shutil
 import sys
@@ -44,6 +45,9 @@ def public_names(package: str) -> dict[str, str]:
     paths = {}
     for name in module.__all__:
         obj = getattr(module, name)
+        if inspect.ismodule(obj):
+            paths[name] = obj.__name__
+            continue
         defined_in = getattr(obj, "__module__", None) if callable(obj) else None
         if defined_in is None:  # a constant: the submodule that assigns it
             defined_in = next(m for m, mod in sorted(sys.modules.items())
