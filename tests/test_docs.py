@@ -101,7 +101,7 @@ def test_the_api_reference_has_every_public_name_with_its_docstring(api_page):
         for name, path in paths.items():
             assert f'id="{path}"' in api_page, f"{package}.{name}: no section {path} on the API page"
             obj = getattr(module, name)
-            doc = inspect.getdoc(obj) if callable(obj) else attribute_docstring(path)
+            doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else attribute_docstring(path)
             assert doc, f"{package}.{name} has no docstring"
             first = plain(doc.split("\n\n")[0].splitlines()[0])
             assert first in section_after(api_page, path), f"{package}.{name}: its docstring is not on the API page"
