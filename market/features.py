@@ -19,7 +19,9 @@ import numpy as np
 from .bars import Bars
 
 FEATURES = ("log_return", "log_range", "log_body", "log_volume", "volume_change")
+"""The names of ``bar_features``' columns, in order."""
 LOOKBACK = 2  # bars a feature row reads: the bar itself and the one before
+"""Bars one feature row reads: the bar itself and the one before (the first row is NaN)."""
 TARGETS = ("return", "direction")
 
 

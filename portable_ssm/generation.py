@@ -291,7 +291,8 @@ def generate(input_ids: Array, params: Params, *, config: Mamba2Config, attentio
             come back in its dtype, so a dtype that cannot hold every id below ``vocab_size``
             (uint8 or int8 for a vocabulary over 256 or 128 rows) raises TypeError instead of
             wrapping; float ids raise TypeError instead of being truncated.
-        params, config: a language model (``config.vocab_size`` set).
+        params: the language model's parameters.
+        config: its configuration (``config.vocab_size`` set).
         attention_mask: ``[b, l]`` left-padding mask (1/True tokens, 0/False padding): each row
             gets the tokens it gets alone (:func:`left_pad`).
         initial_state: a :class:`Mamba2State` the prompt continues (e.g. a previous call's).

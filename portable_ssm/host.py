@@ -7,8 +7,8 @@ trimmed; both thresholds rise only after such a block is freed). A layer's tempo
 MiB at prefill lengths, made and freed in the same sizes call after call, so every call's buffers
 are fresh pages the kernel has to map and zero: one extra pass over memory per temporary, on the
 thread that first writes it. :func:`retain_freed_memory` keeps that memory in the process instead,
-as the caching allocators of GPU frameworks do (README's "Host memory" section has the measured
-effect). The ``portable-ssm`` command line (and so the benchmarks) applies it to its own process
+as the caching allocators of GPU frameworks do (docs/guides/threads-memory.md; the measured effect
+is in benchmarks/HISTORY.md). The ``portable-ssm`` command line (and so the benchmarks) applies it to its own process
 unless ``PORTABLE_SSM_RETAIN_MEMORY=0`` (:func:`retain_unless_disabled`); library code calls
 :func:`retain_freed_memory` once at start-up.
 """

@@ -221,9 +221,14 @@ def decode_step_ref(xBC: Array, dt: Array, z: Array, conv_state: Array, ssm_stat
         z: ``[b, h·p]`` gate.
         conv_state: ``[b, conv_dim, k]`` the last k inputs (xBC's dtype).
         ssm_state: ``[b, h, p, n]`` in the compute dtype.
-        conv_weight, conv_bias: ``[conv_dim, k]`` and ``[conv_dim]`` or None.
-        dt_bias, A: ``[h]`` (A = -exp(A_log)); D: ``[h]`` or ``[h, p]``.
-        dt_limit: ``(low, high)`` clamp of Δ; ngroups: g; headdim: p.
+        conv_weight: ``[conv_dim, k]``.
+        conv_bias: ``[conv_dim]`` or None.
+        dt_bias: ``[h]``.
+        A: ``[h]`` (A = -exp(A_log)).
+        D: ``[h]`` or ``[h, p]``.
+        dt_limit: ``(low, high)`` clamp of Δ.
+        ngroups: g.
+        headdim: p.
 
     Returns:
         ``(y [b, h·p] in xBC's dtype, new_conv_state, new_ssm_state)`` with

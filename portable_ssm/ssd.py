@@ -86,11 +86,15 @@ def ssd_scan(x: Array, dt: Array, A: Array, B: Array, C: Array, *, chunk_size: i
         x: ``[b, l, h, p]`` inputs.
         dt: ``[b, l, h]`` raw time steps (Δ = clamp(softplus(dt + dt_bias)) per head and step).
         A: ``[h]`` continuous decay (negative).
-        B, C: ``[b, l, g, n]`` input and output projections; h must be a multiple of g.
+        B: ``[b, l, g, n]`` input projection; h must be a multiple of g.
+        C: ``[b, l, g, n]`` output projection.
         chunk_size: chunk length Q; ``None`` picks one for the shape (:func:`choose_chunk_size`).
             The result does not depend on it beyond rounding.
-        D: optional skip ``[h]`` or ``[h, p]``; z: optional gate like x (``y * silu(z)``).
-        dt_bias, dt_softplus, dt_limit: see :func:`portable_ssm.discretize`.
+        D: optional skip ``[h]`` or ``[h, p]``.
+        z: optional gate like x (``y * silu(z)``).
+        dt_bias: optional ``[h]`` added to dt before the softplus (:func:`portable_ssm.discretize`).
+        dt_softplus: apply softplus to ``dt + dt_bias`` (:func:`portable_ssm.discretize`).
+        dt_limit: the clamp of Δ (:func:`portable_ssm.discretize`).
         initial_states: optional ``[b, h, p, n]`` in the compute dtype (with ``seq_idx``: the
             state of each row's first sequence only).
         return_final_states: also return the ``[b, h, p, n]`` state after the last step (with

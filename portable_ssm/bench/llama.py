@@ -1,6 +1,6 @@
 """llama.cpp comparison rows (tooling, not core): the benchmark's random LM in llama.cpp's own runtime.
 
-The rows need llama-cpp-python (``import llama_cpp``, built for this machine: README, "Benchmarks")
+The rows need llama-cpp-python (``import llama_cpp``, built for this machine: docs/benchmarks.md)
 and llama.cpp's converter ``convert_hf_to_gguf.py`` (in the llama-cpp-python sdist, under
 ``vendor/llama.cpp/``; it needs the ``gguf`` package). The weights are the other rows' weights:
 transformers' ``save_pretrained`` of :func:`portable_ssm.bench.calls.transformers_model`, converted
@@ -39,7 +39,7 @@ def unavailable(converter: str | None, config: Mamba2Config | None = None) -> st
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
-        return "llama.cpp rows skipped: llama_cpp (llama-cpp-python) is not installed (README, \"Benchmarks\")"
+        return "llama.cpp rows skipped: llama_cpp (llama-cpp-python) is not installed (docs/benchmarks.md)"
     if not converter:
         return (f"llama.cpp rows skipped: no converter given (--llama-convert PATH/TO/convert_hf_to_gguf.py "
                 f"or {CONVERT_ENV})")

@@ -74,7 +74,7 @@ TRAIN_MAX_LEN = 8192  # longer training rows need more memory than a CPU runner 
 SGEMM, SGEMM_N = "sgemm", 4096
 CLOCKS: dict[str, Clock] = {"wall": time.perf_counter, "cpu": time.process_time}
 #: How long ``--quick`` took, measured once on the project's quiet 2-core VM, the quality part included
-#: (``time portable-ssm bench --quick [--backends numpy]``; see README, "Benchmarks").
+#: (``time portable-ssm bench --quick [--backends numpy]``; see docs/benchmarks.md).
 QUICK_NOTE = "measured: about 200 s with every backend, 8 s with --backends numpy, on a quiet 2-core VM"
 
 
