@@ -39,6 +39,7 @@ from portable_ssm.market import (
     baselines,
     compare,
     losses,
+    model_inputs,
     read_bars,
     read_table,
     synthetic_bars,
@@ -130,7 +131,7 @@ def main() -> None:
                          folds=args.folds, val_fraction=args.val_fraction, stride=args.stride)[args.fold]
     raw = bar_features(bars)  # [N, F]
     normaliser = Normaliser.fit(raw, split.boundary)
-    x_all = np.nan_to_num(normaliser(raw)).astype(np.float32)  # [N, F]; row 0 is never in a window
+    x_all = model_inputs(raw, normaliser)  # [N, F] float32; a NaN feature (row 0, a missing bar) reads 0
     target = targets(bars, horizon=args.horizon, kind=args.target)  # [N]
     scale = float(target[split.train_ends].std()) if args.target == "return" else 1.0
     y_all = np.nan_to_num(target / scale).astype(np.float32)  # [N]; NaN only past the training targets
