@@ -10,7 +10,9 @@ host-side data tooling that uses NumPy freely, kept out of the array-API core. N
     _checks     MarketDataError: the one error a malformed, truncated or unordered file raises
     features    bar_features, targets, Normaliser, model_inputs, windows, walk_forward, Split
     baselines   baselines (zero, last return, AR(p), majority), losses, compare
-    stream      predict (batch), StreamPredictor (one bar at a time through portable_ssm.step)
+    model       MarketModel: backbone, head, normaliser and settings; save / load a run directory
+    live        MarketStream: N instruments, a batch row each, joining and leaving, one step per bar
+    stream      predict (batch over features), StreamPredictor (one instrument, the first streaming path)
     synthetic   synthetic_bars (random walk, or a planted volume-regime component)
 """
 
@@ -34,18 +36,22 @@ from .features import (
     Normaliser,
     Split,
     bar_features,
+    feature_rows,
     model_inputs,
     targets,
     trailing_return,
     walk_forward,
     windows,
 )
+from .live import MarketStream
+from .model import MarketModel
 from .stream import StreamPredictor, predict
 from .synthetic import synthetic_bars
 
 __all__ = [
-    "FEATURES", "LOOKBACK", "Bars", "MarketDataError", "Normaliser", "Split", "StreamPredictor", "bar_features",
-    "baselines", "compare", "fixed_to_float", "float_to_fixed", "iter_records", "layout", "losses", "model_inputs",
-    "ohlcv_records", "predict", "read_bars", "read_dbn_columns", "read_table", "resample", "synthetic_bars",
-    "targets", "trailing_return", "walk_forward", "windows", "write_ohlcv_dbn",
+    "Bars", "FEATURES", "LOOKBACK", "MarketDataError", "MarketModel", "MarketStream", "Normaliser", "Split",
+    "StreamPredictor", "bar_features", "baselines", "compare", "feature_rows", "fixed_to_float",
+    "float_to_fixed", "iter_records", "layout", "losses", "model_inputs", "ohlcv_records", "predict",
+    "read_bars", "read_dbn_columns", "read_table", "resample", "synthetic_bars", "targets", "trailing_return",
+    "walk_forward", "windows", "write_ohlcv_dbn",
 ]

@@ -31,12 +31,21 @@ LOOKBACK = 2  # bars a feature row reads: the bar itself and the one before
 TARGETS = ("return", "direction")
 
 
-def _clean(bars: Bars) -> tuple[np.ndarray, ...]:
-    """``(open, high, low, close, volume)`` with every field of a missing bar set to NaN."""
-    prices = np.stack([bars.open, bars.high, bars.low, bars.close])  # [4, N]
-    present = (np.isfinite(prices) & (prices > 0)).all(axis=0) & np.isfinite(bars.volume) & (bars.volume >= 0)
-    o, h, lo, c = np.where(present, prices, np.nan)  # [N] each
-    return o, h, lo, c, np.where(present, bars.volume, np.nan)
+def feature_rows(previous_log_close: np.ndarray, previous_log_volume: np.ndarray, o: np.ndarray, h: np.ndarray,
+                 lo: np.ndarray, c: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The feature rows ``[n, F]`` of n bars given the log close and log1p volume of the bar before
+    each (NaN: none or missing), and each bar's own ``(log close, log1p volume)`` for the next call.
+    :func:`bar_features` and the streaming predictors both compute features through it, so a
+    streamed row equals the batch row bit for bit."""
+    prices = np.stack([o, h, lo, c])  # [4, n]
+    present = (np.isfinite(prices) & (prices > 0)).all(axis=0) & np.isfinite(v) & (v >= 0)
+    o, h, lo, c = np.where(present, prices, np.nan)  # [n] each: a missing bar is NaN throughout
+    v = np.where(present, v, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        log_close, log_volume = np.log(c), np.log1p(v)
+        rows = np.stack((log_close - previous_log_close, np.log(h / lo), log_close - np.log(o), log_volume,
+                         log_volume - previous_log_volume), axis=-1)  # [n, F]
+    return rows, log_close, log_volume
 
 
 def bar_features(bars: Bars) -> np.ndarray:
@@ -44,14 +53,11 @@ def bar_features(bars: Bars) -> np.ndarray:
     and a missing bar's row and the next NaN (see the module docstring)."""
     if not isinstance(bars, Bars):
         raise TypeError(f"bars: expected Bars, got {type(bars).__name__}")
-    o, h, lo, c, v = _clean(bars)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        log_close, log_volume = np.log(c), np.log1p(v)
-        previous = np.concatenate([[np.nan], log_close[:-1]])  # [N]
-        previous_volume = np.concatenate([[np.nan], log_volume[:-1]])  # [N]
-        columns = (log_close - previous, np.log(h / lo), log_close - np.log(o), log_volume,
-                   log_volume - previous_volume)
-    out = np.stack(columns, axis=-1)  # [N, F]
+    nan = np.full(1, np.nan)
+    _, log_close, log_volume = feature_rows(nan, nan, bars.open, bars.high, bars.low, bars.close, bars.volume)
+    previous_close = np.concatenate([nan, log_close[:-1]])  # [N]
+    previous_volume = np.concatenate([nan, log_volume[:-1]])  # [N]
+    out = feature_rows(previous_close, previous_volume, bars.open, bars.high, bars.low, bars.close, bars.volume)[0]
     out[:1] = np.nan
     return out
 
@@ -73,8 +79,8 @@ def targets(bars: Bars, *, horizon: int, kind: str) -> np.ndarray:
 def _log_close(bars: Bars) -> np.ndarray:
     if not isinstance(bars, Bars):
         raise TypeError(f"bars: expected Bars, got {type(bars).__name__}")
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.log(_clean(bars)[3])
+    nan = np.full(1, np.nan)
+    return feature_rows(nan, nan, bars.open, bars.high, bars.low, bars.close, bars.volume)[1]
 
 
 def trailing_return(bars: Bars, *, horizon: int) -> np.ndarray:
