@@ -98,11 +98,12 @@ class MarketModel:
         return MarketStream(self.head, self.params, config=self.config, normaliser=self.normaliser,
                             instruments=chosen)
 
-    def save(self, run: str | os.PathLike) -> None:
-        """Writes the three files of the module docstring into ``run`` (created if missing)."""
+    def save(self, run: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> None:
+        """Writes the three files of the module docstring into ``run`` (created if missing);
+        ``metadata`` goes into model.safetensors (:func:`portable_ssm.save_params`)."""
         run = as_path("run", run)
         run.mkdir(parents=True, exist_ok=True)
-        save_params(run / MODEL_FILE, self.params, self.config)
+        save_params(run / MODEL_FILE, self.params, self.config, metadata=metadata)
         save_arrays(run / HEAD_FILE, self.head)
         text = json.dumps({"format": FORMAT, "features": list(FEATURES), "mean": self.normaliser.mean.tolist(),
                            "std": self.normaliser.std.tolist(), "target": self.target, "horizon": self.horizon,
