@@ -87,13 +87,6 @@ def _zstd_blocks(f: BinaryIO, size: int, path: str) -> Iterator[bytes]:
         yield b"".join(pending)
 
 
-def _blocks(f: BinaryIO, path: str, size: int) -> Iterator[bytes]:
-    """The file's bytes (decompressed when they start with the zstd magic number) in blocks."""
-    compressed = f.read(4) == ZSTD_MAGIC
-    f.seek(0)
-    return _zstd_blocks(f, size, path) if compressed else _plain_blocks(f, size)
-
-
 def _take(stream: Iterator[bytes], have: bytes, n: int) -> bytes:
     """``have`` extended from ``stream`` to at least ``n`` bytes (fewer only at the end)."""
     parts, total = [have], len(have)
@@ -106,8 +99,8 @@ def _take(stream: Iterator[bytes], have: bytes, n: int) -> bytes:
     return b"".join(parts)
 
 
-def _metadata(stream: Iterator[bytes], path: str) -> tuple[Any, bytes]:
-    """The decoded metadata, and the bytes read past it."""
+def _metadata(stream: Iterator[bytes], path: str) -> tuple[Any, bytes, int]:
+    """The decoded metadata, the bytes read past it, and the header's length (8 + metadata)."""
     import databento_dbn as dbn
 
     data = _take(stream, b"", 8)
@@ -123,7 +116,7 @@ def _metadata(stream: Iterator[bytes], path: str) -> tuple[Any, bytes]:
         metadata = dbn.Metadata.decode(data[:8 + length])
     except Exception as err:  # noqa: BLE001 (databento-dbn's decode errors have no common type)
         raise MarketDataError(f"{path}: corrupt DBN metadata ({err})") from None
-    return metadata, data[8 + length:]
+    return metadata, data[8 + length:], 8 + length
 
 
 def _schema(metadata: Any, path: str) -> str:
@@ -152,34 +145,69 @@ def iter_records(path: str | os.PathLike, *,
                  chunk_records: int = CHUNK_RECORDS) -> Iterator[tuple[str, int, np.ndarray]]:
     """``(schema, index of the chunk's first record, records)`` for each chunk of at most
     ``chunk_records`` records of a DBN file (plain or zstd), ``records`` a read-only structured
-    array of :func:`layout`. Checks each record's length, rtype and ts_event (see the module
-    docstring); the order of ts_event is the caller's to check (:class:`TimeOrder`)."""
+    array of :func:`layout` that is valid until the next chunk is read (plain files are read into
+    one reused buffer: copy what you keep). Checks each record's length, rtype and ts_event (see
+    the module docstring); the order of ts_event is the caller's to check (:class:`TimeOrder`)."""
     chunk_records = check_int("chunk_records", chunk_records, minimum=1)
     path = os.fspath(path)
     f, _ = open_regular(path)
     with f:
-        schema, dtype, stream, head = _open_stream(f, path)
+        schema, dtype, compressed, stream, head = _open_stream(f, path)
+        blocks = (_blocks_of(itertools.chain([head], stream), dtype.itemsize * chunk_records) if compressed
+                  else _read_into(f, dtype.itemsize * chunk_records))
         first, rest = 0, b""
-        for data in _blocks_of(itertools.chain([head], stream), dtype.itemsize * chunk_records):
+        for data in blocks:
             n = len(data) // dtype.itemsize  # whole records: every block but the last is a multiple
             records = np.frombuffer(data, dtype=dtype, count=n)
+            records.flags.writeable = False
             rest = data[n * dtype.itemsize:]
             if n:
                 _check_records(records, schema, first, path)
                 yield schema, first, records
                 first += n
-        if rest:
+        if len(rest):
             raise MarketDataError(f"{path}: truncated: {len(rest)} bytes of a partial {dtype.itemsize}-byte "
                                   f"record {first} at the end")
 
 
-def _open_stream(f: BinaryIO, path: str) -> tuple[str, np.dtype, Iterator[bytes], bytes]:
-    """The schema, record dtype, the rest of the byte stream and the bytes already read past the metadata."""
-    stream = _blocks(f, path, 1 << 20)
-    metadata, rest = _metadata(stream, path)
+def _read_into(f: BinaryIO, size: int) -> Iterator[memoryview]:
+    """The rest of a plain file in blocks of ``size`` bytes (the last shorter), each read into one
+    reused buffer: no allocation or copy per block."""
+    buffer = memoryview(bytearray(size))
+    while True:
+        done = 0
+        while done < size:
+            got = f.readinto(buffer[done:])
+            if not got:
+                break
+            done += got
+        if done:
+            yield buffer[:done]
+        if done < size:
+            return
+
+
+def _open_stream(f: BinaryIO, path: str) -> tuple[str, np.dtype, bool, Iterator[bytes], bytes]:
+    """The schema, record dtype, whether the file is zstd, the rest of the decompressed stream and
+    the bytes already read past the metadata (a plain file is left positioned just past it)."""
+    compressed = f.read(4) == ZSTD_MAGIC
+    f.seek(0)
+    stream = _zstd_blocks(f, 1 << 20, path) if compressed else _plain_blocks(f, 1 << 16)
+    metadata, rest, header = _metadata(stream, path)
+    if not compressed:
+        f.seek(header)
+        rest = b""
     schema = _schema(metadata, path)
-    dtype = layout(schema, ts_out=bool(metadata.ts_out))
-    return schema, dtype, stream, rest
+    return schema, layout(schema, ts_out=bool(metadata.ts_out)), compressed, stream, rest
+
+
+def record_capacity(path: str | os.PathLike) -> int | None:
+    """At most how many records a plain DBN file holds (from its size; None for zstd)."""
+    path = os.fspath(path)
+    f, size = open_regular(path)
+    with f:
+        _, dtype, compressed, _, _ = _open_stream(f, path)
+        return None if compressed else max(size - f.tell(), 0) // dtype.itemsize
 
 
 def _blocks_of(stream: Iterator[bytes], size: int) -> Iterator[bytes]:
