@@ -8,11 +8,13 @@ batch path uses). An instrument's first bar has no features: it returns NaN and 
 alone, as :meth:`MarketModel.predict` returns NaN for row 0. Instruments join (:meth:`add`) and
 leave (:meth:`remove`) between updates; the others' states are untouched.
 
-The step is :func:`portable_ssm.step` on the rows updated. On PyTorch (CPU, float32) a batch of
-one goes through the backend's compiled whole-model decode (``decode_model`` of
-``portable_ssm.backends.torch``: every layer, the final norm and the head in one native call)
-where it is built; otherwise, and on every other backend, the array-API step. Both equal the batch
-forward within float32 rounding (tests hold them together).
+The step (``fast=True``, the default) takes the fastest exact path each backend has: on NumPy
+:class:`~portable_ssm.market.numpy_step.NumpyStep` (weights prepared once, the state updated in
+place); on PyTorch (CPU, float32) a batch of one goes through the backend's compiled whole-model
+decode (``decode_model`` of ``portable_ssm.backends.torch``: every layer, the final norm and the
+head in one native call) where it is built. Otherwise, and with ``fast=False``, it is
+:func:`portable_ssm.step`, the reference; tests hold every path to the batch forward within
+float32 rounding.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from portable_ssm._array import array_backend, device, namespace
 
 from ._checks import check_float_array, check_int
 from .features import Normaliser, feature_rows, model_inputs
+from .numpy_step import NumpyStep
 
 HEAD_NAMES = ("inp.weight", "inp.bias", "head.weight", "head.bias")
 
@@ -57,10 +60,13 @@ class MarketStream:
         params, config: the Mamba-2 backbone.
         normaliser: the training span's frozen feature statistics.
         instruments: the instrument ids streaming from the start (more join with :meth:`add`).
+        fast: take each backend's fast path (module docstring); False: :func:`portable_ssm.step` only.
     """
 
     def __init__(self, head: dict[str, Any], params: dict[str, Any], *, config: Mamba2Config,
-                 normaliser: Normaliser, instruments: tuple[int, ...] | list[int] = ()) -> None:
+                 normaliser: Normaliser, instruments: tuple[int, ...] | list[int] = (), fast: bool = True) -> None:
+        if not isinstance(fast, bool):
+            raise TypeError(f"fast: expected a bool, got {type(fast).__name__}")
         if not isinstance(normaliser, Normaliser):
             raise TypeError(f"normaliser: expected a Normaliser, got {type(normaliser).__name__}")
         check_head(head, config, normaliser.mean.shape[0])
@@ -73,7 +79,9 @@ class MarketStream:
         self._previous = np.zeros((2, 0))  # [2, N]: each row's last log close and log1p volume
         self._seen = np.zeros(0, bool)  # [N]: whether the row has had a bar
         self.state: Mamba2State | None = None  # batch N, rows in the order of ``instruments``
-        self._native = self._native_decode()
+        self._native = self._native_decode() if fast else None
+        use_numpy = fast and self._backend == "numpy" and NumpyStep.supports({**params, **head}, config)
+        self._numpy = NumpyStep(params, config) if use_numpy else None
         for instrument in instruments:
             self.add(instrument)
 
@@ -103,6 +111,7 @@ class MarketStream:
         if instrument_id in self._row:
             raise ValueError(f"instrument_id: {instrument_id} is already streaming")
         one = empty_state(self.config, 1, self.head["inp.weight"])
+        one = Mamba2State(conv=tuple(a * 1 for a in one.conv), ssm=tuple(a * 1 for a in one.ssm))  # a array per layer
         self.state = one if self.state is None else Mamba2State(
             conv=tuple(self._xp.concat([a, b], axis=0) for a, b in zip(self.state.conv, one.conv)),
             ssm=tuple(self._xp.concat([a, b], axis=0) for a, b in zip(self.state.ssm, one.ssm)))
@@ -163,6 +172,8 @@ class MarketStream:
         """Model outputs ``[k]`` of inputs ``x [k, F]`` (float32) for state rows ``rows [k]``."""
         xp = self._xp
         everyone = rows.size == len(self._ids) and (rows == np.arange(rows.size)).all()
+        if self._numpy is not None:
+            return self._numpy_step(rows, x, everyone)
         index = None if everyone else to_backend(rows, self._backend, device=self._device)
         state = self.state if everyone else Mamba2State(conv=tuple(xp.take(a, index, axis=0) for a in self.state.conv),
                                                          ssm=tuple(xp.take(a, index, axis=0) for a in self.state.ssm))
@@ -177,6 +188,19 @@ class MarketStream:
             out = _linear(y, self.head["head.weight"], self.head["head.bias"])  # [k, 1]
         self.state = state if everyone else self._scatter(index, state)
         return np.asarray(to_backend(out, "numpy"), dtype=np.float64)[:, 0]
+
+    def _numpy_step(self, rows: np.ndarray, x: np.ndarray, everyone: bool) -> np.ndarray:
+        """:meth:`_step` through :class:`NumpyStep`, the state updated in place (its rows copied out
+        and back when only some instruments update)."""
+        conv, ssm = list(self.state.conv), list(self.state.ssm)
+        if not everyone:
+            conv, ssm = [a[rows] for a in conv], [a[rows] for a in ssm]
+        u = _linear(x, self.head["inp.weight"], self.head["inp.bias"])  # [k, d_model]
+        y = self._numpy(u, conv, ssm)  # [k, d_model]
+        if not everyone:
+            for whole, part in zip((*self.state.conv, *self.state.ssm), (*conv, *ssm)):
+                whole[rows] = part
+        return _linear(y, self.head["head.weight"], self.head["head.bias"])[:, 0].astype(np.float64)
 
     def _scatter(self, index: Any, rows: Mamba2State) -> Mamba2State:
         from portable_ssm.state_pool import scatter_state

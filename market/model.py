@@ -92,11 +92,12 @@ class MarketModel:
         outputs = np.asarray(outputs, dtype=np.float64)
         return outputs * self.target_scale if self.target == "return" else 1.0 / (1.0 + np.exp(-outputs))
 
-    def stream(self, instruments: tuple[int, ...] | list[int] | None = None) -> MarketStream:
-        """A :class:`MarketStream` over ``instruments`` (default: those trained on, or none)."""
+    def stream(self, instruments: tuple[int, ...] | list[int] | None = None, *, fast: bool = True) -> MarketStream:
+        """A :class:`MarketStream` over ``instruments`` (default: those trained on, or none);
+        ``fast=False`` steps through :func:`portable_ssm.step` alone (the reference)."""
         chosen = self.instruments if instruments is None else instruments
         return MarketStream(self.head, self.params, config=self.config, normaliser=self.normaliser,
-                            instruments=chosen)
+                            instruments=chosen, fast=fast)
 
     def save(self, run: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> None:
         """Writes the three files of the module docstring into ``run`` (created if missing);

@@ -59,12 +59,14 @@ def test_a_saved_run_directory_loads_back_in_one_call_with_every_setting(tmp_pat
     assert np.isnan(back.predict(bars)[0]) and np.isfinite(back.predict(bars)[1:]).all()
 
 
-def test_streaming_many_instruments_joining_and_leaving_equals_the_batch_forward_of_each(xp):
+@pytest.mark.parametrize("fast", [True, False], ids=["fast path", "portable_ssm.step"])
+def test_streaming_many_instruments_joining_and_leaving_equals_the_batch_forward_of_each(xp, fast):
     model = _model(xp.name, xp.device)
     series = {3: synthetic_bars("planted", 30, seed=1), 9: _with_nan(synthetic_bars("planted", 30, seed=2), 12),
               4: synthetic_bars("random-walk", 30, seed=5)}
     joins, leaves = {3: 0, 9: 0, 4: 10}, {9: 25}  # 4 joins at bar 10; 9 leaves after bar 24
-    stream = model.stream(instruments=[])
+    stream = model.stream(instruments=[], fast=fast)
+    assert (stream._numpy is not None) == (fast and xp.name == "numpy")
     streamed: dict[int, list[float]] = {i: [] for i in series}
     for t in range(30):
         for i, at in joins.items():
