@@ -23,6 +23,7 @@ from .bars import (
     float_to_fixed,
     ohlcv_records,
     read_bars,
+    read_bars_by_instrument,
     read_dbn_columns,
     read_table,
     resample,
@@ -52,6 +53,6 @@ __all__ = [
     "Bars", "FEATURES", "LOOKBACK", "MarketDataError", "MarketModel", "MarketStream", "Normaliser", "Split",
     "StreamPredictor", "bar_features", "baselines", "compare", "feature_rows", "fixed_to_float",
     "float_to_fixed", "iter_records", "layout", "losses", "model_inputs", "ohlcv_records", "predict",
-    "read_bars", "read_dbn_columns", "read_table", "resample", "synthetic_bars", "targets", "trailing_return",
-    "walk_forward", "windows", "write_ohlcv_dbn",
+    "read_bars", "read_bars_by_instrument", "read_dbn_columns", "read_table", "resample", "synthetic_bars",
+    "targets", "trailing_return", "walk_forward", "windows", "write_ohlcv_dbn",
 ]

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -300,14 +301,69 @@ def read_bars(path: str | os.PathLike, *, instrument_id: int | None = None, inte
         raise ValueError(f"interval_ns: {path} holds {schema} events; give a bar length (e.g. 1_000_000_000)")
     cutter = _BarCutter(interval_ns)
     for _, records in _selected(path, instrument_id, chunk_records):
-        ts = records["ts_event"].astype(np.int64)
-        if schema == "trades":
-            cutter.add(ts, _file_prices(path, records, "price"), records["size"])
-            continue
-        bid, ask = _file_prices(path, records, "bid_px_00"), _file_prices(path, records, "ask_px_00")
-        mid = (bid + ask) / 2  # NaN where a side is undefined
-        cutter.add(ts, mid, np.where(records["action"] == b"T", records["size"], 0))
+        cutter.add(*_events(path, schema, records))
     return cutter.bars(path)
+
+
+def _by_instrument(path: str, wanted: np.ndarray | None,
+                   chunk_records: int) -> Iterator[tuple[str, int, np.ndarray]]:
+    """``(schema, instrument_id, records)`` for each instrument in each chunk (all, or those in
+    ``wanted``), each instrument's records checked for time order on their own."""
+    orders: dict[int, TimeOrder] = {}
+    for schema, first, records in iter_records(path, chunk_records=chunk_records):
+        ids = records["instrument_id"]
+        keep = np.arange(ids.shape[0]) if wanted is None else np.flatnonzero(np.isin(ids, wanted))
+        keep = keep[np.argsort(ids[keep], kind="stable")]  # grouped by instrument, file order within each
+        starts = np.flatnonzero(np.concatenate([[True], ids[keep][1:] != ids[keep][:-1]])) if keep.size else keep
+        for start, stop in zip(starts, [*starts[1:], keep.size]):
+            index = keep[start:stop]
+            instrument = int(ids[index[0]])
+            mine = records[index]
+            orders.setdefault(instrument, TimeOrder(path)).check(mine["ts_event"].view(np.int64), first + index)
+            yield schema, instrument, mine
+
+
+def read_bars_by_instrument(path: str | os.PathLike, *, instrument_ids: Any = None, interval_ns: int | None = None,
+                            chunk_records: int = 1 << 18) -> dict[int, Bars]:
+    """Every instrument's bars from one pass over a DBN file: ``{instrument_id: Bars}`` (all of
+    them, or those in ``instrument_ids``), ids ascending. OHLCV records as they are; trades and
+    MBP-1 cut into bars of ``interval_ns`` per instrument as :func:`read_bars` does. Each
+    instrument's records must be in time order; errors as :func:`read_dbn_columns`."""
+    path = os.fspath(as_path("path", path))
+    wanted = None
+    if instrument_ids is not None:
+        wanted = np.array([_as_instrument(i) for i in instrument_ids], dtype=np.int64)
+    interval_ns = None if interval_ns is None else check_int("interval_ns", interval_ns, minimum=1)
+    schema = _schema_of(path)
+    if schema not in OHLCV_SCHEMAS and interval_ns is None:
+        raise ValueError(f"interval_ns: {path} holds {schema} events; give a bar length (e.g. 1_000_000_000)")
+    pieces: dict[int, list[dict[str, np.ndarray]]] = {}
+    cutters: dict[int, _BarCutter] = {}
+    for schema, instrument, records in _by_instrument(path, wanted, chunk_records):
+        if schema in OHLCV_SCHEMAS:
+            pieces.setdefault(instrument, []).append(_columns(path, schema, records))
+        else:
+            cutters.setdefault(instrument, _BarCutter(interval_ns)).add(*_events(path, schema, records))
+    if schema not in OHLCV_SCHEMAS:
+        return {i: cutters[i].bars(path) for i in sorted(cutters)}
+    out = {}
+    for i in sorted(pieces):
+        mine = pieces.pop(i)
+        c = {name: np.concatenate([p[name] for p in mine]) for name in ("ts_event", *_PRICES, "volume")}
+        out[i] = Bars(ts_event=c["ts_event"], open=c["open"], high=c["high"], low=c["low"], close=c["close"],
+                      volume=c["volume"].astype(np.float64))
+    return out
+
+
+def _events(path: str, schema: str, records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ts_event, price, size)`` of trade or MBP-1 records as bars are cut from them (MBP-1: the
+    mid price, and the size of trade events only)."""
+    ts = records["ts_event"].astype(np.int64)
+    if schema == "trades":
+        return ts, _file_prices(path, records, "price"), records["size"]
+    bid, ask = _file_prices(path, records, "bid_px_00"), _file_prices(path, records, "ask_px_00")
+    traded = np.where(records["action"] == b"T", records["size"], 0)
+    return ts, (bid + ask) / 2, traded  # the mid is NaN where a side is undefined
 
 
 def ohlcv_records(bars: Bars, *, instrument_id: int = 1, schema: str = "ohlcv-1m") -> np.ndarray:

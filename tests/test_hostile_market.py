@@ -25,6 +25,7 @@ from portable_ssm.market import (  # noqa: E402
     model_inputs,
     ohlcv_records,
     read_bars,
+    read_bars_by_instrument,
     read_dbn_columns,
     read_table,
     resample,
@@ -169,9 +170,10 @@ def _fifo_is_refused(tmp_path, read, name: str) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
-@pytest.mark.parametrize("reader", ["read_bars", "read_dbn_columns", "read_table"])
+@pytest.mark.parametrize("reader", ["read_bars", "read_dbn_columns", "read_bars_by_instrument", "read_table"])
 def test_a_fifo_in_place_of_a_data_file_is_refused_without_blocking(tmp_path, reader):
     read = {"read_bars": read_bars, "read_dbn_columns": read_dbn_columns,
+            "read_bars_by_instrument": read_bars_by_instrument,
             "read_table": lambda p: read_table(p, time="t", close="c")}[reader]
     _fifo_is_refused(tmp_path, read, "feed.csv" if reader == "read_table" else "feed.dbn")
 

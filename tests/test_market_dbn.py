@@ -94,3 +94,30 @@ def test_trades_cut_into_bars_chunk_by_chunk_equal_the_bars_of_the_whole_array(t
     bars = read_bars(tmp_path / "t.dbn", instrument_id=2, interval_ns=1_000_000_000, chunk_records=chunk)
     for name in ("ts_event", "open", "high", "low", "close", "volume"):
         np.testing.assert_array_equal(getattr(bars, name), getattr(whole, name), err_msg=name)
+
+
+@pytest.mark.parametrize("schema", ["ohlcv-1s", "trades", "mbp-1"])
+def test_every_instruments_bars_from_one_pass_equal_reading_each_alone(tmp_path, schema):
+    from portable_ssm.market import read_bars_by_instrument
+
+    records = _records(schema, 500, seed=11)
+    (tmp_path / "f.dbn").write_bytes(_metadata(schema) + b"".join(bytes(r) for r in records))
+    interval = None if schema == "ohlcv-1s" else 1_000_000_000
+    every = read_bars_by_instrument(tmp_path / "f.dbn", interval_ns=interval, chunk_records=37)
+    assert sorted(every) == [1, 2]
+    for instrument, bars in every.items():
+        alone = read_bars(tmp_path / "f.dbn", instrument_id=instrument, interval_ns=interval)
+        for name in ("ts_event", "open", "high", "low", "close", "volume"):
+            np.testing.assert_array_equal(getattr(bars, name), getattr(alone, name), err_msg=f"{instrument} {name}")
+    assert list(read_bars_by_instrument(tmp_path / "f.dbn", instrument_ids=[2], interval_ns=interval)) == [2]
+
+
+def test_one_instrument_out_of_time_order_is_refused_naming_its_record(tmp_path):
+    from portable_ssm.market import MarketDataError, read_bars_by_instrument
+
+    rows = [(1, 10), (2, 5), (1, 20), (2, 4)]  # instrument 2 steps back at record 3; the file as a whole too
+    data = _metadata("ohlcv-1s") + b"".join(bytes(dbn.OHLCVMsg(dbn.RType.OHLCV_1S, 1, i, ts, 5, 5, 5, 5, 1))
+                                            for i, ts in rows)
+    (tmp_path / "o.dbn").write_bytes(data)
+    with pytest.raises(MarketDataError, match="record 3 has ts_event 4, earlier than record 1's 5"):
+        read_bars_by_instrument(tmp_path / "o.dbn")
