@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("databento_dbn")
 from portable_ssm.market import (  # noqa: E402
@@ -177,3 +179,16 @@ def test_a_fifo_as_market_json_is_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "market.json")
     with pytest.raises(MarketDataError, match="FIFO"):
         MarketModel.load(tmp_path)
+
+
+_FIELD = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(1e-3, 1e3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(bars=st.lists(st.tuples(_FIELD, _FIELD, _FIELD, _FIELD, _FIELD), min_size=1, max_size=12))
+def test_any_bar_values_stream_to_finite_predictions_and_never_raise(bars):
+    stream = _model().stream([1, 2])
+    for i, values in enumerate(bars):
+        out = stream.update(np.array([1, 2]), *(np.array([v, 1.0]) for v in values))
+        assert out.shape == (2,) and out.dtype == np.float64
+        assert np.isnan(out).all() if i == 0 else np.isfinite(out).all()  # a bad bar reads as the training mean
