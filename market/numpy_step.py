@@ -55,6 +55,13 @@ class NumpyStep:
                 "D": params[p + "mixer.D"], "gate_norm": params[p + "mixer.norm.weight"],
                 "out_t": np.ascontiguousarray(params[p + "mixer.out_proj.weight"].T)})
         self.norm_f = params["norm_f.weight"]
+        self._scratch: dict[int, np.ndarray] = {}  # k -> [k, h, p, n]: the Δ·outer(x, B) term, reused
+
+    def _outer(self, k: int) -> np.ndarray:
+        c = self.config
+        if k not in self._scratch:
+            self._scratch = {k: np.empty((k, c.nheads, c.headdim, c.d_state), np.float32)}  # one size kept
+        return self._scratch[k]
 
     @staticmethod
     def supports(params: dict[str, Any], config: Mamba2Config) -> bool:
@@ -83,10 +90,12 @@ class NumpyStep:
             delta = np.maximum(_softplus(dt + layer["dt_bias"]), np.float32(c.dt_limit[0]))  # Δ [k, h]
             if np.isfinite(c.dt_limit[1]):
                 delta = np.minimum(delta, np.float32(c.dt_limit[1]))
-            state = ssm_state.reshape(k, g, h // g, p, n)  # [k, g, h/g, p, n] (a view)
-            state *= np.exp(delta * layer["A"]).reshape(k, g, h // g, 1, 1)
-            state += (delta[:, :, None] * x).reshape(k, g, h // g, p, 1) * B[:, :, None]  # + Δ·outer(x, B)
-            y = (state @ C[:, :, None].swapaxes(-1, -2)).reshape(k, h, p)  # H @ C: [k, h, p]
+            state = ssm_state.reshape(k, g, h // g * p, n)  # [k, g, h/g·p, n] (a view)
+            state *= np.exp(delta * layer["A"]).repeat(p, axis=1).reshape(k, g, h // g * p, 1)
+            outer = self._outer(k).reshape(k, g, h // g * p, n)
+            np.multiply((delta[:, :, None] * x).reshape(k, g, h // g * p, 1), B, out=outer)  # Δ·outer(x, B)
+            state += outer
+            y = np.matmul(state.reshape(k * g, h // g * p, n), C.reshape(k * g, n, 1)).reshape(k, h, p)  # H @ C
             y = y + layer["D"].reshape(h, -1) * x  # D [h] or [h, p]
             gated = _rms(y.reshape(k, d_inner) * _silu(z), layer["gate_norm"], c.norm_eps, g)  # [k, h·p]
             hidden = gated @ layer["out_t"]  # [k, d]
