@@ -10,11 +10,11 @@ leave (:meth:`remove`) between updates; the others' states are untouched.
 
 The step (``fast=True``, the default) takes the fastest exact path each backend has: on NumPy
 :class:`~portable_ssm.market.numpy_step.NumpyStep` (weights prepared once, the state updated in
-place); on PyTorch (CPU, float32) a batch of one goes through the backend's compiled whole-model
+place); on PyTorch (CPU, float32) each row goes through the backend's compiled whole-model
 decode (``decode_model`` of ``portable_ssm.backends.torch``: every layer, the final norm and the
-head in one native call) where it is built. Otherwise, and with ``fast=False``, it is
-:func:`portable_ssm.step`, the reference; tests hold every path to the batch forward within
-float32 rounding.
+head in one native call, batch 1) where it is built, its state row written back in place.
+Otherwise, and with ``fast=False``, it is :func:`portable_ssm.step`, the reference; tests hold
+every path to the batch forward within float32 rounding.
 """
 
 from __future__ import annotations
@@ -174,20 +174,39 @@ class MarketStream:
         everyone = rows.size == len(self._ids) and (rows == np.arange(rows.size)).all()
         if self._numpy is not None:
             return self._numpy_step(rows, x, everyone)
+        if self._native is not None:
+            out = self._native_rows(rows, x)
+            if out is not None:
+                return out
         index = None if everyone else to_backend(rows, self._backend, device=self._device)
         state = self.state if everyone else Mamba2State(conv=tuple(xp.take(a, index, axis=0) for a in self.state.conv),
                                                          ssm=tuple(xp.take(a, index, axis=0) for a in self.state.ssm))
         x_b = xp.astype(to_backend(x, self._backend, device=self._device), self._dtype)  # [k, F]
         u = _linear(x_b, self.head["inp.weight"], self.head["inp.bias"])  # [k, d_model]
-        fused = self._native(u, state) if self._native is not None and rows.size == 1 else None
-        if fused is not None:
-            logits, state = fused  # [1, 1]: norm_f and head.weight applied
-            out = logits + self.head["head.bias"]
-        else:
-            y, state = step(u, state, self.params, config=self.config)
-            out = _linear(y, self.head["head.weight"], self.head["head.bias"])  # [k, 1]
+        y, state = step(u, state, self.params, config=self.config)
+        out = _linear(y, self.head["head.weight"], self.head["head.bias"])  # [k, 1]
         self.state = state if everyone else self._scatter(index, state)
         return np.asarray(to_backend(out, "numpy"), dtype=np.float64)[:, 0]
+
+    def _native_rows(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray | None:
+        """:meth:`_step` as one whole-model native decode per row (batch 1 each), each row's state
+        written back in place; None (nothing changed) where the backend declines the first row."""
+        u = _linear(self._xp.astype(to_backend(x, self._backend, device=self._device), self._dtype),
+                    self.head["inp.weight"], self.head["inp.bias"])  # [k, d_model]
+        out = np.empty(rows.size)
+        for j, r in enumerate(rows.tolist()):
+            row = Mamba2State(conv=tuple(a[r:r + 1] for a in self.state.conv),
+                              ssm=tuple(a[r:r + 1] for a in self.state.ssm))
+            fused = self._native(u[j:j + 1], row)
+            if fused is None:
+                if j == 0:
+                    return None
+                raise RuntimeError("the native decode declined a row after taking the first")
+            logits, new = fused  # [1, 1]: norm_f and head.weight applied
+            for whole, part in zip((*self.state.conv, *self.state.ssm), (*new.conv, *new.ssm)):
+                whole[r:r + 1] = part
+            out[j] = float(logits[0, 0] + self.head["head.bias"][0])
+        return out
 
     def _numpy_step(self, rows: np.ndarray, x: np.ndarray, everyone: bool) -> np.ndarray:
         """:meth:`_step` through :class:`NumpyStep`, the state updated in place (its rows copied out
