@@ -5,13 +5,15 @@ host-side data tooling that uses NumPy freely, kept out of the array-API core. N
 ``[market]`` extra (databento-dbn) for DBN files and ``[data]`` (pandas, pyarrow) for tables.
 ``import portable_ssm`` does not import it.
 
-    bars        Bars, read_bars (DBN), read_table (csv/parquet), write_ohlcv_dbn, fixed_to_float, resample
+    bars        Bars, read_bars / read_bars_by_instrument (DBN), read_table (csv/parquet), write_ohlcv_dbn,
+                fixed_to_float, resample
     dbn         iter_records, layout: DBN / DBN+zstd in chunks of NumPy structured records
     _checks     MarketDataError: the one error a malformed, truncated or unordered file raises
     features    bar_features, targets, Normaliser, model_inputs, windows, walk_forward, Split
     baselines   baselines (zero, last return, AR(p), majority), losses, compare
     model       MarketModel: backbone, head, normaliser and settings; save / load a run directory
     live        MarketStream: N instruments, a batch row each, joining and leaving, one step per bar
+    numpy_step  NumpyStep: the in-place NumPy streaming step MarketStream takes on NumPy
     stream      predict (batch over features), StreamPredictor (one instrument, the first streaming path)
     synthetic   synthetic_bars (random walk, or a planted volume-regime component)
 """

@@ -62,7 +62,11 @@ def _plain_blocks(f: BinaryIO, size: int) -> Iterator[bytes]:
 def _zstd_blocks(f: BinaryIO, size: int, path: str) -> Iterator[bytes]:
     """The decompressed stream of one or more zstd frames, in blocks of about ``size`` bytes; a
     MarketDataError when it ends inside a frame or is not zstd."""
-    import zstandard
+    try:
+        import zstandard
+    except ImportError:
+        raise ImportError(f"{path} is zstd-compressed: reading it needs zstandard "
+                          f"(pip install 'portable_ssm[market]')") from None
 
     make = zstandard.ZstdDecompressor().decompressobj
     decoder, fed, pending, done = make(), False, [], 0
