@@ -82,8 +82,8 @@ class MarketStream:
         self._native = self._native_decode() if fast else None
         use_numpy = fast and self._backend == "numpy" and NumpyStep.supports({**params, **head}, config)
         self._numpy = NumpyStep(params, config) if use_numpy else None
-        for instrument in instruments:
-            self.add(instrument)
+        if len(instruments):
+            self._join(list(instruments))
 
     @property
     def instruments(self) -> tuple[int, ...]:
@@ -107,18 +107,25 @@ class MarketStream:
 
     def add(self, instrument_id: int) -> None:
         """A new instrument joins with a fresh state (its first bar gives no prediction)."""
-        instrument_id = check_int("instrument_id", instrument_id, minimum=0)
-        if instrument_id in self._row:
-            raise ValueError(f"instrument_id: {instrument_id} is already streaming")
-        one = empty_state(self.config, 1, self.head["inp.weight"])
-        one = Mamba2State(conv=tuple(a * 1 for a in one.conv), ssm=tuple(a * 1 for a in one.ssm))  # a array per layer
-        self.state = one if self.state is None else Mamba2State(
-            conv=tuple(self._xp.concat([a, b], axis=0) for a, b in zip(self.state.conv, one.conv)),
-            ssm=tuple(self._xp.concat([a, b], axis=0) for a, b in zip(self.state.ssm, one.ssm)))
-        self._row[instrument_id] = len(self._ids)
-        self._ids.append(instrument_id)
-        self._previous = np.concatenate([self._previous, np.full((2, 1), np.nan)], axis=1)
-        self._seen = np.concatenate([self._seen, [False]])
+        self._join([instrument_id])
+
+    def _join(self, instrument_ids: Any) -> None:
+        """Instruments join together: one copy of the state for all of them (joining one at a time
+        would copy the growing state once per instrument)."""
+        ids = [check_int("instrument_id", i, minimum=0) for i in instrument_ids]
+        for i in ids:
+            if i in self._row or ids.count(i) > 1:
+                raise ValueError(f"instrument_id: {i} is already streaming")
+        fresh = empty_state(self.config, len(ids), self.head["inp.weight"])
+        fresh = Mamba2State(conv=tuple(a * 1 for a in fresh.conv), ssm=tuple(a * 1 for a in fresh.ssm))  # per layer
+        self.state = fresh if self.state is None else Mamba2State(
+            conv=tuple(self._xp.concat([a, b], axis=0) for a, b in zip(self.state.conv, fresh.conv)),
+            ssm=tuple(self._xp.concat([a, b], axis=0) for a, b in zip(self.state.ssm, fresh.ssm)))
+        for i in ids:
+            self._row[i] = len(self._ids)
+            self._ids.append(i)
+        self._previous = np.concatenate([self._previous, np.full((2, len(ids)), np.nan)], axis=1)
+        self._seen = np.concatenate([self._seen, np.zeros(len(ids), bool)])
 
     def remove(self, instrument_id: int) -> None:
         """The instrument leaves: its row and state are dropped; the others keep theirs."""
