@@ -3,17 +3,20 @@
 ``MarketModel.load`` reads what ``train_market.py`` left in ``--run`` (model.safetensors,
 head.safetensors, market.json) and ``model.stream()`` gives a ``MarketStream``: it keeps the
 Mamba-2 state and the last bar, and turns each new bar into one prediction without recomputing a
-window; its predictions equal ``model.predict(bars)`` over the same bars. Latency tables (old and
-new paths, 1 to 1000 instruments) come from ``benchmarks/market_bench.py``.
+window; its predictions equal ``model.predict(bars)`` over the same bars. ``--latency`` times the
+old and new paths for one seed-sized instrument (``benchmarks/market_bench.py``, which also times
+10 to 1000 instruments and DBN reading).
 
     python examples/train_market.py --quick --out runs/market
     python examples/stream_market.py --run runs/market --limit 20
+    python examples/stream_market.py --latency
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -46,7 +49,17 @@ def main() -> None:
     p.add_argument("--data", help="the DBN file to replay (default: the run's own data file)")
     p.add_argument("--backend", choices=("numpy", "torch"), default="numpy", help="where the predictor runs")
     p.add_argument("--limit", type=int, help="print only the first LIMIT predictions (all are still made)")
+    p.add_argument("--latency", action="store_true", help="time a seed-sized model's update, old and new paths")
+    p.add_argument("--bars", type=int, default=1000, help="--latency: timed updates per path")
+    p.add_argument("--warmup", type=int, default=50, help="--latency: untimed updates first")
     args = p.parse_args()
+    if args.latency:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+        import market_bench
+
+        rows = market_bench.latency([1], {1: args.bars}, args.warmup)
+        print(json.dumps({"example": "stream_market_latency", "rows": rows}))
+        return
     model = MarketModel.load(Path(args.run), backend=args.backend)
     instrument = model.instruments[0] if model.instruments else None
     bars = read_bars(args.data or model.info["data"], instrument_id=instrument)
