@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import MarketDataError, as_path, check_choice, check_int, open_regular
-from .dbn import OHLCV_SCHEMAS, RTYPES, TimeOrder, iter_records, layout
+from .dbn import OHLCV_SCHEMAS, RTYPES, TimeOrder, iter_records, layout, read_schema, record_capacity
 
 PRICE_SCALE = 1_000_000_000  # DBN fixed-point: 1 unit = 1e-9
 UNDEF_PRICE = 2**63 - 1
@@ -207,21 +207,13 @@ def read_dbn_columns(path: str | os.PathLike, *, instrument_id: int | None = Non
     malformed, truncated or out of time order (see :mod:`portable_ssm.market.dbn`)."""
     path = os.fspath(as_path("path", path))
     instrument_id = _as_instrument(instrument_id)
-    from .dbn import record_capacity
-
-    schema, sink = _schema_of(path), _Columns(record_capacity(path))
+    schema, sink = read_schema(path), _Columns(record_capacity(path))
     for schema, records in _selected(path, instrument_id, chunk_records):
         sink.add(_columns(path, schema, records))
     columns = sink.result(path, schema)
     if columns["ts_event"].shape[0] == 0 and instrument_id is not None:
         raise MarketDataError(f"{path}: holds no record of instrument_id {instrument_id}")
     return schema, columns
-
-
-def _schema_of(path: str) -> str:
-    from .dbn import read_schema
-
-    return read_schema(path)
 
 
 class _BarCutter:
@@ -292,7 +284,7 @@ def read_bars(path: str | os.PathLike, *, instrument_id: int | None = None, inte
     path = os.fspath(as_path("path", path))
     instrument_id = _as_instrument(instrument_id)
     interval_ns = None if interval_ns is None else check_int("interval_ns", interval_ns, minimum=1)
-    schema = _schema_of(path)
+    schema = read_schema(path)
     if schema in OHLCV_SCHEMAS:
         c = read_dbn_columns(path, instrument_id=instrument_id, chunk_records=chunk_records)[1]
         return Bars(ts_event=c["ts_event"], open=c["open"], high=c["high"], low=c["low"], close=c["close"],
@@ -334,7 +326,7 @@ def read_bars_by_instrument(path: str | os.PathLike, *, instrument_ids: Any = No
     if instrument_ids is not None:
         wanted = np.array([_as_instrument(i) for i in instrument_ids], dtype=np.int64)
     interval_ns = None if interval_ns is None else check_int("interval_ns", interval_ns, minimum=1)
-    schema = _schema_of(path)
+    schema = read_schema(path)
     if schema not in OHLCV_SCHEMAS and interval_ns is None:
         raise ValueError(f"interval_ns: {path} holds {schema} events; give a bar length (e.g. 1_000_000_000)")
     pieces: dict[int, list[dict[str, np.ndarray]]] = {}

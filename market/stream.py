@@ -20,12 +20,7 @@ from portable_ssm._array import array_backend, device, namespace
 
 from .bars import Bars
 from .features import LOOKBACK, Normaliser, bar_features, model_inputs
-
-HEAD_NAMES = ("inp.weight", "inp.bias", "head.weight", "head.bias")
-
-
-def _linear(x: Any, weight: Any, bias: Any) -> Any:
-    return x @ weight.T + bias  # [..., in] -> [..., out]
+from .live import HEAD_NAMES, _linear
 
 
 def predict(x: Any, head: dict[str, Any], params: dict[str, Any], *, config: Mamba2Config) -> Any:
