@@ -22,23 +22,24 @@ autocorrelation whose sign follows a volume regime; ``random-walk``: nothing to 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import Task, base_parser, last, parse, report, setup_distributed, teardown, train
+from common import Task, base_parser, exported_step, last, parse, report, setup_distributed, teardown, train
 from portable_ssm.backends.torch import Mamba2Module
 from portable_ssm.market import (
     FEATURES,
     Bars,
+    MarketModel,
     Normaliser,
     bar_features,
     baselines,
     compare,
     losses,
+    model_inputs,
     read_bars,
     read_table,
     synthetic_bars,
@@ -56,7 +57,7 @@ DEFAULTS = dict(steps=1500, batch_size=32, lr=2e-3, d_model=64, n_layer=2, d_sta
                 eval_every=100, ckpt_every=500, out="runs/market")
 QUICK = dict(steps=120, batch_size=16, lr=3e-3, d_model=32, n_layer=2, d_state=16, headdim=8, eval_every=120,
              ckpt_every=120)
-MARKET_FILE, PREDICTIONS_PLOT = "market.json", "validation.png"
+PREDICTIONS_PLOT = "validation.png"
 EVAL_BATCH = 512
 
 
@@ -130,7 +131,7 @@ def main() -> None:
                          folds=args.folds, val_fraction=args.val_fraction, stride=args.stride)[args.fold]
     raw = bar_features(bars)  # [N, F]
     normaliser = Normaliser.fit(raw, split.boundary)
-    x_all = np.nan_to_num(normaliser(raw)).astype(np.float32)  # [N, F]; row 0 is never in a window
+    x_all = model_inputs(raw, normaliser)  # [N, F] float32; a NaN feature (row 0, a missing bar) reads 0
     target = targets(bars, horizon=args.horizon, kind=args.target)  # [N]
     scale = float(target[split.train_ends].std()) if args.target == "return" else 1.0
     y_all = np.nan_to_num(target / scale).astype(np.float32)  # [N]; NaN only past the training targets
@@ -173,7 +174,8 @@ def main() -> None:
         prediction = output * scale if args.target == "return" else 1.0 / (1.0 + np.exp(-output))
         model_loss, base_loss = per_bar_losses(args, bars, raw[:, 0], target, split, prediction)
         result = score(args, model_loss, base_loss)
-        write_market_file(out / MARKET_FILE, args, normaliser, scale, source, split)
+        market_model(model, args, normaliser, scale, source, split).save(out, metadata={"step": exported_step(out)
+                                                                                     or str(args.steps)})
         plot_validation(out / PREDICTIONS_PLOT, model_loss, base_loss)
         say(result)
         report(dist, {"example": "market", "data": source, "target": args.target, "horizon": args.horizon,
@@ -210,13 +212,16 @@ def say(result: dict) -> None:
     print(f"model {result['metric']} {result['val_loss']:.4g}: {verdict}", file=sys.stderr)
 
 
-def write_market_file(path: Path, args: argparse.Namespace, normaliser: Normaliser, scale: float, source: str,
-                      split) -> None:
-    """What ``stream_market.py`` needs besides the weights: features, normaliser, target and its scale."""
-    path.write_text(json.dumps({
-        "features": list(FEATURES), "mean": normaliser.mean.tolist(), "std": normaliser.std.tolist(),
-        "target": args.target, "horizon": args.horizon, "target_scale": scale, "seq_len": args.seq_len,
-        "data": source, "boundary": split.boundary, "first_val_end": int(split.val_ends[0])}, indent=1))
+def market_model(model: MarketNet, args: argparse.Namespace, normaliser: Normaliser, scale: float, source: str,
+                 split) -> MarketModel:
+    """The trained net as a :class:`MarketModel` (what ``stream_market.py`` loads with ``MarketModel.load``)."""
+    head = {name: p.detach().float().cpu().contiguous() for name, p in model.named_parameters()
+            if name.split(".")[0] in ("inp", "head")}
+    params = {name: p.detach().cpu() for name, p in model.core.params().items()}
+    return MarketModel(config=model.core.config, params=params, head=head, normaliser=normaliser,
+                       target=args.target, horizon=args.horizon, target_scale=scale, seq_len=args.seq_len,
+                       instruments=() if args.instrument_id is None else (args.instrument_id,),
+                       info={"data": source, "boundary": split.boundary, "first_val_end": int(split.val_ends[0])})
 
 
 def plot_validation(path: Path, model_loss: np.ndarray, base_loss: dict[str, np.ndarray]) -> None:

@@ -5,31 +5,56 @@ host-side data tooling that uses NumPy freely, kept out of the array-API core. N
 ``[market]`` extra (databento-dbn) for DBN files and ``[data]`` (pandas, pyarrow) for tables.
 ``import portable_ssm`` does not import it.
 
-    bars        Bars, read_bars (DBN), read_table (csv/parquet), write_ohlcv_dbn, fixed_to_float
-    features    bar_features, targets, Normaliser, windows, walk_forward, Split
+    bars        Bars, read_bars / read_bars_by_instrument (DBN), read_table (csv/parquet), write_ohlcv_dbn,
+                fixed_to_float, resample
+    dbn         iter_records, layout: DBN / DBN+zstd in chunks of NumPy structured records
+    _checks     MarketDataError: the one error a malformed, truncated or unordered file raises
+    features    bar_features, targets, Normaliser, model_inputs, windows, walk_forward, Split
     baselines   baselines (zero, last return, AR(p), majority), losses, compare
-    stream      predict (batch), StreamPredictor (one bar at a time through portable_ssm.step)
+    model       MarketModel: backbone, head, normaliser and settings; save / load a run directory
+    live        MarketStream: N instruments, a batch row each, joining and leaving, one step per bar
+    numpy_step  NumpyStep: the in-place NumPy streaming step MarketStream takes on NumPy
+    stream      predict (batch over features), StreamPredictor (one instrument, the first streaming path)
     synthetic   synthetic_bars (random walk, or a planted volume-regime component)
 """
 
-from .bars import Bars, fixed_to_float, float_to_fixed, read_bars, read_dbn_columns, read_table, write_ohlcv_dbn
+from ._checks import MarketDataError
+from .bars import (
+    Bars,
+    fixed_to_float,
+    float_to_fixed,
+    ohlcv_records,
+    read_bars,
+    read_bars_by_instrument,
+    read_dbn_columns,
+    read_table,
+    resample,
+    write_ohlcv_dbn,
+)
 from .baselines import baselines, compare, losses
+from .dbn import iter_records, layout
 from .features import (
     FEATURES,
     LOOKBACK,
     Normaliser,
     Split,
     bar_features,
+    feature_rows,
+    model_inputs,
     targets,
     trailing_return,
     walk_forward,
     windows,
 )
+from .live import MarketStream
+from .model import MarketModel
 from .stream import StreamPredictor, predict
 from .synthetic import synthetic_bars
 
 __all__ = [
-    "FEATURES", "LOOKBACK", "Bars", "Normaliser", "Split", "StreamPredictor", "bar_features", "baselines",
-    "compare", "fixed_to_float", "float_to_fixed", "losses", "predict", "read_bars", "read_dbn_columns",
-    "read_table", "synthetic_bars", "targets", "trailing_return", "walk_forward", "windows", "write_ohlcv_dbn",
+    "Bars", "FEATURES", "LOOKBACK", "MarketDataError", "MarketModel", "MarketStream", "Normaliser", "Split",
+    "StreamPredictor", "bar_features", "baselines", "compare", "feature_rows", "fixed_to_float",
+    "float_to_fixed", "iter_records", "layout", "losses", "model_inputs", "ohlcv_records", "predict",
+    "read_bars", "read_bars_by_instrument", "read_dbn_columns", "read_table", "resample", "synthetic_bars",
+    "targets", "trailing_return", "walk_forward", "windows", "write_ohlcv_dbn",
 ]

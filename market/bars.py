@@ -12,21 +12,30 @@ start of its interval and known once the interval ends, the DBN OHLCV convention
 
 from __future__ import annotations
 
+import os
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from ._checks import MarketDataError, as_path, check_choice, check_int, open_regular
+from .dbn import OHLCV_SCHEMAS, RTYPES, TimeOrder, iter_records, layout, read_schema, record_capacity
 
 PRICE_SCALE = 1_000_000_000  # DBN fixed-point: 1 unit = 1e-9
 UNDEF_PRICE = 2**63 - 1
 _EXACT = 2**53
-OHLCV_SCHEMAS = ("ohlcv-1s", "ohlcv-1m", "ohlcv-1h", "ohlcv-1d", "ohlcv-eod")
-EVENT_SCHEMAS = ("trades", "mbp-1")
+_PRICES = ("open", "high", "low", "close")
 
 
 @dataclass(frozen=True)
 class Bars:
-    """``N`` bars in time order: ``ts_event`` int64 ns (bar start), prices float64, volume float64."""
+    """``N`` bars in time order: ``ts_event`` int64 ns (bar start), prices float64, volume float64.
+
+    Checked when built: six 1-D arrays of one length, ``ts_event`` int64 and the rest float64
+    (TypeError / ValueError naming the field; nothing is converted)."""
 
     ts_event: np.ndarray  # [N] int64
     open: np.ndarray  # [N] float64
@@ -35,136 +44,354 @@ class Bars:
     close: np.ndarray  # [N] float64
     volume: np.ndarray  # [N] float64
 
+    def __post_init__(self) -> None:
+        n = None
+        for f in fields(self):
+            value = getattr(self, f.name)
+            want = np.int64 if f.name == "ts_event" else np.float64
+            if not isinstance(value, np.ndarray) or value.dtype != want:
+                got = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+                raise TypeError(f"{f.name}: expected a {np.dtype(want).name} NumPy array, got {got}")
+            if value.ndim != 1 or (n is not None and value.shape[0] != n):
+                raise ValueError(f"{f.name}: expected shape [{'N' if n is None else n}], got {value.shape}")
+            n = value.shape[0]
+
     def __len__(self) -> int:
         return int(self.ts_event.shape[0])
 
     def slice(self, start: int, stop: int) -> Bars:
-        """Bars ``start`` .. ``stop - 1``."""
+        """Bars ``start`` .. ``stop - 1`` (ints with ``0 <= start <= stop <= N``)."""
+        start = check_int("start", start, minimum=0, maximum=len(self))
+        stop = check_int("stop", stop, minimum=start, maximum=len(self))
         return Bars(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
 
     def replace_after(self, t: int, other: Bars) -> Bars:
         """These bars up to ``t`` and ``other``'s after it (same length): the leak tests' edit."""
+        t = check_int("t", t, minimum=0, maximum=len(self) - 1)
+        if not isinstance(other, Bars) or len(other) != len(self):
+            raise ValueError(f"other: expected Bars of length {len(self)}, got {other!r:.60}")
         return Bars(**{f.name: np.concatenate([getattr(self, f.name)[:t + 1], getattr(other, f.name)[t + 1:]])
                        for f in fields(self)})
 
 
 def fixed_to_float(fixed: np.ndarray) -> np.ndarray:
-    """DBN fixed-point prices (int64, 1e-9 units) -> float64, correctly rounded; UNDEF_PRICE -> NaN."""
-    fixed = np.asarray(fixed, dtype=np.int64)
+    """DBN fixed-point prices (an integer array, 1e-9 units) -> float64, correctly rounded;
+    UNDEF_PRICE -> NaN. TypeError for a non-integer array (no silent cast), ValueError beyond 2**53."""
+    fixed = np.asarray(fixed)
+    if fixed.dtype == np.bool_ or not np.issubdtype(fixed.dtype, np.integer):
+        raise TypeError(f"fixed: expected an integer array of fixed-point prices, got dtype {fixed.dtype}")
+    fixed = fixed.astype(np.int64, copy=False)
+    if fixed.size == 0:
+        return np.zeros(fixed.shape)
     undefined = fixed == UNDEF_PRICE
-    defined = fixed[~undefined]
-    largest = int(np.abs(defined).max()) if defined.size else 0
-    if largest > _EXACT:
-        raise ValueError(f"prices: fixed-point magnitudes up to 2**53 convert exactly, got {largest}")
-    return np.where(undefined, np.nan, fixed.astype(np.float64) / PRICE_SCALE)
+    if undefined.any():
+        defined = np.where(undefined, 0, fixed)
+        return np.where(undefined, np.nan, _exact_quotient(defined))
+    return _exact_quotient(fixed)
+
+
+def _exact_quotient(fixed: np.ndarray) -> np.ndarray:
+    low, high = int(fixed.min()), int(fixed.max())
+    if max(-low, high) > _EXACT:
+        raise ValueError(f"prices: fixed-point magnitudes up to 2**53 convert exactly, got {max(-low, high)}")
+    return fixed / PRICE_SCALE  # int64 -> float64 exactly (|p| <= 2**53), then one rounding
 
 
 def float_to_fixed(price: np.ndarray) -> np.ndarray:
-    """float64 prices -> DBN fixed-point int64 (nearest 1e-9 unit); NaN -> UNDEF_PRICE."""
+    """float64 prices -> DBN fixed-point int64 (nearest 1e-9 unit); NaN -> UNDEF_PRICE; ValueError
+    for an infinite price or one beyond 2**53 units."""
     price = np.asarray(price, dtype=np.float64)
-    return np.where(np.isnan(price), UNDEF_PRICE, np.rint(np.nan_to_num(price) * PRICE_SCALE)).astype(np.int64)
+    defined = ~np.isnan(price)
+    units = np.rint(np.where(defined, price, 0.0) * PRICE_SCALE)
+    if not np.isfinite(units).all() or np.abs(units).max(initial=0.0) > _EXACT:
+        raise ValueError("price: expected finite prices within 2**53 fixed-point units (about 9e6)")
+    return np.where(defined, units, UNDEF_PRICE).astype(np.int64)
 
 
-def _decode(path: Path) -> tuple[str, list]:
-    """``(schema name, records)`` of a DBN file (``.dbn`` or zstd ``.dbn.zst``)."""
-    import databento_dbn as dbn
-
-    compression = dbn.Compression.ZSTD if path.suffix == ".zst" else dbn.Compression.NONE
-    decoder = dbn.DBNDecoder(compression=compression)
-    records: list = []
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            decoder.write(chunk)
-            records.extend(decoder.decode())
-    if not records or not isinstance(records[0], dbn.Metadata):
-        raise ValueError(f"path: {path} holds no DBN metadata header")
-    return str(records[0].schema), records[1:]
+def _as_instrument(instrument_id: int | None) -> int | None:
+    return None if instrument_id is None else check_int("instrument_id", instrument_id, minimum=0, maximum=2**32 - 1)
 
 
-def _one_instrument(path: Path, records: list, instrument_id: int | None) -> list:
-    ids = sorted({r.instrument_id for r in records})
-    if instrument_id is None:
-        if len(ids) > 1:
-            raise ValueError(f"instrument_id: {path} holds instruments {ids}; choose one")
-        return records
-    if instrument_id not in ids:
-        raise ValueError(f"instrument_id: {instrument_id} is not in {path} (it holds {ids})")
-    return [r for r in records if r.instrument_id == instrument_id]
+def _selected(path: str, instrument_id: int | None, chunk_records: int) -> Iterator[tuple[str, np.ndarray]]:
+    """``(schema, records)`` chunks of the one instrument read (``instrument_id``, or the file's
+    only one), checked for time order; MarketDataError when several are there and none is chosen."""
+    order, only = TimeOrder(path), None
+    for schema, first, records in iter_records(path, chunk_records=chunk_records):
+        ids = records["instrument_id"]
+        if instrument_id is None:
+            only = int(ids[0]) if only is None else only
+            if (ids != only).any():
+                seen = sorted({only, *np.unique(ids).tolist()})
+                raise MarketDataError(f"{path}: holds instruments {seen}; choose one with instrument_id")
+            index = first + np.arange(records.shape[0])
+        else:
+            index = first + np.flatnonzero(ids == instrument_id)
+            records = records[index - first]
+        order.check(records["ts_event"].view(np.int64), index)
+        yield schema, records
 
 
-def read_dbn_columns(path: str | Path, *, instrument_id: int | None = None) -> tuple[str, dict[str, np.ndarray]]:
+def _file_prices(path: str, records: np.ndarray, name: str) -> np.ndarray:
+    """:func:`fixed_to_float` of one field of a file's records; MarketDataError naming the file."""
+    try:
+        return fixed_to_float(records[name])
+    except ValueError as err:
+        raise MarketDataError(f"{path}: field {name!r}: {err}") from None
+
+
+def _price_block(path: str, records: np.ndarray, names: tuple[str, ...]) -> np.ndarray:
+    """``[n, len(names)]`` float64 prices of adjacent int64 fields ``names`` of ``records`` in one
+    pass each (convert, range check, divide), equal bit for bit to :func:`fixed_to_float`; falls
+    back to it per field when a price is undefined or beyond 2**53 units."""
+    first = records.dtype.fields[names[0]][1]
+    n, words = records.shape[0], records.dtype.itemsize // 8
+    raw = records.view(np.int64).reshape(n, words)  # [n, words]: the records as 8-byte words
+    block = raw[:, first // 8:first // 8 + len(names)].astype(np.float64)  # [n, len(names)], exact below 2**53
+    if n and max(block.max(), -block.min()) >= _EXACT:  # UNDEF_PRICE or out of range: the exact path decides
+        return np.stack([_file_prices(path, records, name) for name in names], axis=1)
+    block /= PRICE_SCALE
+    return block
+
+
+def _columns(path: str, schema: str, records: np.ndarray) -> dict[str, np.ndarray]:
+    """One chunk's records as the columns :func:`read_dbn_columns` returns."""
+    out = {"ts_event": records["ts_event"].astype(np.int64)}
+    if schema in OHLCV_SCHEMAS:
+        prices = _price_block(path, records, _PRICES)  # [n, 4]
+        out.update({name: prices[:, i] for i, name in enumerate(_PRICES)})
+        out["volume"] = records["volume"].astype(np.int64)
+        return out
+    out.update(price=_file_prices(path, records, "price"), size=records["size"].astype(np.int64),
+               side=records["side"].astype("<U1"))
+    if schema == "mbp-1":
+        out.update(action=records["action"].astype("<U1"), bid_px=_file_prices(path, records, "bid_px_00"),
+                   ask_px=_file_prices(path, records, "ask_px_00"), bid_sz=records["bid_sz_00"].astype(np.int64),
+                   ask_sz=records["ask_sz_00"].astype(np.int64))
+    return out
+
+
+class _Columns:
+    """The chunks' columns joined: written into arrays allocated once when the file's record count
+    bounds them (a plain file), else kept as pieces and joined column by column at the end."""
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity, self.out, self.n, self.pieces = capacity, None, 0, []
+
+    def add(self, columns: dict[str, np.ndarray]) -> None:
+        if self.capacity is None:
+            self.pieces.append(columns)
+            return
+        if self.out is None:  # untouched pages cost no memory: only the rows written are resident
+            self.out = {name: np.empty(self.capacity, v.dtype) for name, v in columns.items()}
+        m = columns["ts_event"].shape[0]
+        for name, values in columns.items():
+            self.out[name][self.n:self.n + m] = values
+        self.n += m
+
+    def result(self, path: str, schema: str) -> dict[str, np.ndarray]:
+        if self.out is not None:
+            return {name: values[:self.n] for name, values in self.out.items()}
+        if not self.pieces:
+            empty = _columns(path, schema, np.zeros(0, layout(schema)))
+            return {name: np.zeros(0, v.dtype) for name, v in empty.items()}
+        return {name: np.concatenate([p.pop(name) for p in self.pieces]) for name in list(self.pieces[0])}
+
+
+def read_dbn_columns(path: str | os.PathLike, *, instrument_id: int | None = None,
+                     chunk_records: int = 1 << 18) -> tuple[str, dict[str, np.ndarray]]:
     """A DBN file's records as columns: ``(schema, {name: [n] array})``; prices float64 (exact),
     ``ts_event`` int64 ns, sizes int64. OHLCV: open/high/low/close/volume; trades: price/size/side;
-    MBP-1: price/size/action plus bid_px/ask_px/bid_sz/ask_sz."""
-    path = Path(path)
-    schema, records = _decode(path)
-    records = _one_instrument(path, [r for r in records if hasattr(r, "instrument_id")], instrument_id)
-    names = {"ohlcv": ("open", "high", "low", "close", "volume"), "trades": ("price", "size", "side"),
-             "mbp-1": ("price", "size", "action", "bid_px_00", "ask_px_00", "bid_sz_00", "ask_sz_00")}
-    kind = "ohlcv" if schema in OHLCV_SCHEMAS else schema
-    if kind not in names:
-        raise ValueError(f"path: {path} has schema {schema!r}; expected one of {OHLCV_SCHEMAS + EVENT_SCHEMAS}")
-    prices = {"open", "high", "low", "close", "price", "bid_px_00", "ask_px_00"}
-    columns = {"ts_event": np.array([r.ts_event for r in records], dtype=np.int64)}
-    for name in names[kind]:
-        values = [getattr(r, name) for r in records]
-        if name in ("side", "action"):
-            columns[name] = np.array([str(v) for v in values], dtype="<U1")
-        elif name in prices:
-            columns[name.removesuffix("_00")] = fixed_to_float(np.array(values, dtype=np.int64))
-        else:
-            columns[name.removesuffix("_00")] = np.array(values, dtype=np.int64)
+    MBP-1: also action, bid_px/ask_px/bid_sz/ask_sz. Read in chunks of ``chunk_records`` records
+    (:mod:`.dbn`: memory of the columns plus one chunk). ``instrument_id`` picks one instrument;
+    without it the file must hold one. MarketDataError naming the file (and record) for anything
+    malformed, truncated or out of time order (see :mod:`portable_ssm.market.dbn`)."""
+    path = os.fspath(as_path("path", path))
+    instrument_id = _as_instrument(instrument_id)
+    schema, sink = read_schema(path), _Columns(record_capacity(path))
+    for schema, records in _selected(path, instrument_id, chunk_records):
+        sink.add(_columns(path, schema, records))
+    columns = sink.result(path, schema)
+    if columns["ts_event"].shape[0] == 0 and instrument_id is not None:
+        raise MarketDataError(f"{path}: holds no record of instrument_id {instrument_id}")
     return schema, columns
 
 
+class _BarCutter:
+    """Cuts time-ordered events into OHLCV bars of ``interval_ns`` chunk by chunk, carrying the
+    last (possibly unfinished) bar across chunks: no event array is ever held whole."""
+
+    def __init__(self, interval_ns: int) -> None:
+        self.interval, self.done, self.carry = interval_ns, [], None
+
+    def add(self, ts_event: np.ndarray, price: np.ndarray, size: np.ndarray) -> None:
+        """Events ``[n]`` (ts int64, price float64 with NaN undefined, size) after those added before."""
+        keep = ~np.isnan(price)
+        ts_event, price, size = ts_event[keep], price[keep], size[keep].astype(np.float64)
+        if ts_event.size == 0:
+            return
+        bucket = ts_event // self.interval
+        starts = np.flatnonzero(np.concatenate([[True], bucket[1:] != bucket[:-1]]))
+        ends = np.concatenate([starts[1:], [bucket.size]]) - 1
+        bars = np.stack([bucket[starts].astype(np.float64), price[starts], np.maximum.reduceat(price, starts),
+                         np.minimum.reduceat(price, starts), price[ends], np.add.reduceat(size, starts)])  # [6, n_bars]
+        buckets = bucket[starts]
+        if self.carry is not None:
+            carried_bucket, row = self.carry
+            if buckets[0] == carried_bucket:
+                bars[1:, 0] = (row[1], max(row[2], bars[2, 0]), min(row[3], bars[3, 0]), bars[4, 0],
+                               row[5] + bars[5, 0])
+            else:
+                self.done.append((np.array([carried_bucket]), row[:, None]))
+        self.done.append((buckets[:-1], bars[:, :-1]))
+        self.carry = (int(buckets[-1]), bars[:, -1].copy())
+
+    def bars(self, path: str) -> Bars:
+        """Every bar so far (the last one included); MarketDataError when there is none."""
+        if self.carry is None:
+            raise MarketDataError(f"{path}: no event with a defined price to make a bar of")
+        pieces = [*self.done, (np.array([self.carry[0]]), self.carry[1][:, None])]
+        buckets = np.concatenate([b for b, _ in pieces]).astype(np.int64)
+        values = np.concatenate([v for _, v in pieces], axis=1)  # [6, n_bars]
+        return Bars(ts_event=buckets * self.interval, open=values[1], high=values[2], low=values[3], close=values[4],
+                    volume=values[5])
+
+
 def resample(ts_event: np.ndarray, price: np.ndarray, size: np.ndarray, interval_ns: int) -> Bars:
-    """Events (time-ordered) -> one OHLCV bar per non-empty interval of ``interval_ns``."""
-    if interval_ns <= 0:
-        raise ValueError(f"interval_ns: expected a positive bar length in nanoseconds, got {interval_ns}")
-    keep = ~np.isnan(price)
-    ts_event, price, size = ts_event[keep], price[keep], size[keep].astype(np.float64)
-    if ts_event.size == 0:
-        raise ValueError("events: no event with a defined price")
-    if np.any(np.diff(ts_event) < 0):
-        raise ValueError("events: ts_event must be non-decreasing")
-    bucket = ts_event // interval_ns
-    starts = np.flatnonzero(np.concatenate([[True], bucket[1:] != bucket[:-1]]))
-    ends = np.concatenate([starts[1:], [bucket.size]]) - 1
-    return Bars(ts_event=bucket[starts] * interval_ns, open=price[starts], high=np.maximum.reduceat(price, starts),
-                low=np.minimum.reduceat(price, starts), close=price[ends], volume=np.add.reduceat(size, starts))
+    """Events (time-ordered) -> one OHLCV bar per non-empty interval of ``interval_ns``: ``ts_event``
+    int64 ``[n]``, ``price`` float ``[n]`` (NaN: undefined, skipped), ``size`` ``[n]``."""
+    interval_ns = check_int("interval_ns", interval_ns, minimum=1)
+    ts_event, price, size = np.asarray(ts_event), np.asarray(price, dtype=np.float64), np.asarray(size)
+    shapes = {ts_event.shape, price.shape, size.shape}
+    if ts_event.dtype != np.int64 or ts_event.ndim != 1 or len(shapes) != 1:
+        raise ValueError(f"ts_event, price, size: expected [n] arrays (ts_event int64), got {ts_event.dtype} "
+                         f"{ts_event.shape}, {price.shape}, {size.shape}")
+    back = np.flatnonzero(np.diff(ts_event) < 0)
+    if back.size:
+        raise ValueError(f"ts_event: must be non-decreasing; event {int(back[0]) + 1} is earlier than the one before")
+    cutter = _BarCutter(interval_ns)
+    cutter.add(ts_event, price, size)
+    if cutter.carry is None:
+        raise ValueError("price: no event with a defined price")
+    return cutter.bars("events")
 
 
-def read_bars(path: str | Path, *, instrument_id: int | None = None, interval_ns: int | None = None) -> Bars:
-    """Bars from a DBN file: OHLCV records as they are; trades (trade price, size) and MBP-1 (mid
-    price, traded size of its trade events) cut into bars of ``interval_ns`` (required for them)."""
-    schema, c = read_dbn_columns(path, instrument_id=instrument_id)
+def read_bars(path: str | os.PathLike, *, instrument_id: int | None = None, interval_ns: int | None = None,
+              chunk_records: int = 1 << 18) -> Bars:
+    """Bars from a DBN file (plain or zstd): OHLCV records as they are; trades (trade price, size)
+    and MBP-1 (mid price, traded size of its trade events) cut into bars of ``interval_ns`` (an
+    int >= 1, required for them) as the file streams by, never holding every event. Errors as
+    :func:`read_dbn_columns`."""
+    path = os.fspath(as_path("path", path))
+    instrument_id = _as_instrument(instrument_id)
+    interval_ns = None if interval_ns is None else check_int("interval_ns", interval_ns, minimum=1)
+    schema = read_schema(path)
     if schema in OHLCV_SCHEMAS:
+        c = read_dbn_columns(path, instrument_id=instrument_id, chunk_records=chunk_records)[1]
         return Bars(ts_event=c["ts_event"], open=c["open"], high=c["high"], low=c["low"], close=c["close"],
                     volume=c["volume"].astype(np.float64))
     if interval_ns is None:
         raise ValueError(f"interval_ns: {path} holds {schema} events; give a bar length (e.g. 1_000_000_000)")
+    cutter = _BarCutter(interval_ns)
+    for _, records in _selected(path, instrument_id, chunk_records):
+        cutter.add(*_events(path, schema, records))
+    return cutter.bars(path)
+
+
+def _by_instrument(path: str, wanted: np.ndarray | None,
+                   chunk_records: int) -> Iterator[tuple[str, int, np.ndarray]]:
+    """``(schema, instrument_id, records)`` for each instrument in each chunk (all, or those in
+    ``wanted``), each instrument's records checked for time order on their own."""
+    orders: dict[int, TimeOrder] = {}
+    for schema, first, records in iter_records(path, chunk_records=chunk_records):
+        ids = records["instrument_id"]
+        keep = np.arange(ids.shape[0]) if wanted is None else np.flatnonzero(np.isin(ids, wanted))
+        keep = keep[np.argsort(ids[keep], kind="stable")]  # grouped by instrument, file order within each
+        starts = np.flatnonzero(np.concatenate([[True], ids[keep][1:] != ids[keep][:-1]])) if keep.size else keep
+        for start, stop in zip(starts, [*starts[1:], keep.size]):
+            index = keep[start:stop]
+            instrument = int(ids[index[0]])
+            mine = records[index]
+            orders.setdefault(instrument, TimeOrder(path)).check(mine["ts_event"].view(np.int64), first + index)
+            yield schema, instrument, mine
+
+
+def read_bars_by_instrument(path: str | os.PathLike, *, instrument_ids: Any = None, interval_ns: int | None = None,
+                            chunk_records: int = 1 << 18) -> dict[int, Bars]:
+    """Every instrument's bars from one pass over a DBN file: ``{instrument_id: Bars}`` (all of
+    them, or those in ``instrument_ids``), ids ascending. OHLCV records as they are; trades and
+    MBP-1 cut into bars of ``interval_ns`` per instrument as :func:`read_bars` does. Each
+    instrument's records must be in time order; errors as :func:`read_dbn_columns`."""
+    path = os.fspath(as_path("path", path))
+    wanted = None
+    if instrument_ids is not None:
+        wanted = np.array([_as_instrument(i) for i in instrument_ids], dtype=np.int64)
+    interval_ns = None if interval_ns is None else check_int("interval_ns", interval_ns, minimum=1)
+    schema = read_schema(path)
+    if schema not in OHLCV_SCHEMAS and interval_ns is None:
+        raise ValueError(f"interval_ns: {path} holds {schema} events; give a bar length (e.g. 1_000_000_000)")
+    pieces: dict[int, list[dict[str, np.ndarray]]] = {}
+    cutters: dict[int, _BarCutter] = {}
+    for schema, instrument, records in _by_instrument(path, wanted, chunk_records):
+        if schema in OHLCV_SCHEMAS:
+            pieces.setdefault(instrument, []).append(_columns(path, schema, records))
+        else:
+            cutters.setdefault(instrument, _BarCutter(interval_ns)).add(*_events(path, schema, records))
+    if schema not in OHLCV_SCHEMAS:
+        return {i: cutters[i].bars(path) for i in sorted(cutters)}
+    out = {}
+    for i in sorted(pieces):
+        mine = pieces.pop(i)
+        c = {name: np.concatenate([p[name] for p in mine]) for name in ("ts_event", *_PRICES, "volume")}
+        out[i] = Bars(ts_event=c["ts_event"], open=c["open"], high=c["high"], low=c["low"], close=c["close"],
+                      volume=c["volume"].astype(np.float64))
+    return out
+
+
+def _events(path: str, schema: str, records: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ts_event, price, size)`` of trade or MBP-1 records as bars are cut from them (MBP-1: the
+    mid price, and the size of trade events only)."""
+    ts = records["ts_event"].astype(np.int64)
     if schema == "trades":
-        return resample(c["ts_event"], c["price"], c["size"], interval_ns)
-    mid = (c["bid_px"] + c["ask_px"]) / 2  # NaN where a side is undefined
-    traded = np.where(c["action"] == "T", c["size"], 0)
-    return resample(c["ts_event"], mid, traded, interval_ns)
+        return ts, _file_prices(path, records, "price"), records["size"]
+    bid, ask = _file_prices(path, records, "bid_px_00"), _file_prices(path, records, "ask_px_00")
+    traded = np.where(records["action"] == b"T", records["size"], 0)
+    return ts, (bid + ask) / 2, traded  # the mid is NaN where a side is undefined
 
 
-def write_ohlcv_dbn(path: str | Path, bars: Bars, *, instrument_id: int = 1, schema: str = "ohlcv-1m",
+def ohlcv_records(bars: Bars, *, instrument_id: int = 1, schema: str = "ohlcv-1m") -> np.ndarray:
+    """``bars`` as a structured array of DBN OHLCV records (:func:`portable_ssm.market.dbn.layout`)."""
+    records = np.zeros(len(bars), layout(schema))
+    records["length"], records["rtype"], records["publisher_id"] = records.dtype.itemsize // 4, RTYPES[schema], 1
+    records["instrument_id"], records["ts_event"] = instrument_id, bars.ts_event
+    for name in _PRICES:
+        records[name] = float_to_fixed(getattr(bars, name))
+    records["volume"] = np.rint(bars.volume)
+    return records
+
+
+def write_ohlcv_dbn(path: str | os.PathLike, bars: Bars, *, instrument_id: int = 1, schema: str = "ohlcv-1m",
                     dataset: str = "SYNTHETIC", symbol: str = "SYN") -> None:
-    """Writes ``bars`` as a DBN OHLCV file with databento-dbn's own encoders (prices to fixed point)."""
+    """Writes ``bars`` as a DBN OHLCV file: databento-dbn's metadata header, then the records
+    (prices to fixed point), atomically (a temporary file, fsynced, renamed over ``path``)."""
     import databento_dbn as dbn
 
-    rtype = getattr(dbn.RType, schema.upper().replace("-", "_"))
+    from portable_ssm.io.atomic import replace_atomically
+
+    if not isinstance(bars, Bars) or len(bars) == 0:
+        raise ValueError(f"bars: expected non-empty Bars, got {bars!r:.60}")
+    schema = check_choice("schema", schema, OHLCV_SCHEMAS)
+    instrument_id = check_int("instrument_id", instrument_id, minimum=0, maximum=2**32 - 1)
+    if (bars.volume < 0).any() or not np.isfinite(bars.volume).all() or (bars.ts_event < 0).any():
+        raise ValueError("bars: DBN stores non-negative finite volumes and non-negative timestamps")
     meta = dbn.Metadata(dataset=dataset, start=int(bars.ts_event[0]), stype_in=dbn.SType.RAW_SYMBOL,
                         stype_out=dbn.SType.INSTRUMENT_ID, schema=dbn.Schema.from_str(schema), symbols=[symbol])
-    prices = [float_to_fixed(getattr(bars, name)) for name in ("open", "high", "low", "close")]
-    volume = np.rint(bars.volume).astype(np.int64)
-    with Path(path).open("wb") as f:
+    records = ohlcv_records(bars, instrument_id=instrument_id, schema=schema)
+
+    def write(f) -> None:
         f.write(meta.encode())
-        for i in range(len(bars)):
-            f.write(bytes(dbn.OHLCVMsg(rtype, 1, instrument_id, int(bars.ts_event[i]), *(int(p[i]) for p in prices),
-                                       int(volume[i]))))
+        f.write(records.tobytes())
+
+    replace_atomically(as_path("path", path), write)
 
 
 def read_table(path: str | Path, *, time: str, close: str, open: str | None = None, high: str | None = None,
@@ -174,20 +401,40 @@ def read_table(path: str | Path, *, time: str, close: str, open: str | None = No
     ``time`` is parsed as a date-time (or taken as int64 ns when it is integer); a missing
     open/high/low falls back to the close, a missing volume to zeros. Rows are sorted by time.
     """
-    import pandas as pd
-
-    path = Path(path)
+    path = as_path("path", path)
     suffix = path.suffix.lower()
     if suffix not in (".csv", ".parquet", ".pq"):
         raise ValueError(f"path: expected a .csv or .parquet table, got {path}")
-    table = pd.read_csv(path) if suffix == ".csv" else pd.read_parquet(path)
-    chosen = {"time": time, "close": close, "open": open, "high": high, "low": low, "volume": volume}
+    for name, value in (("time", time), ("close", close), ("open", open), ("high", high), ("low", low),
+                        ("volume", volume)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name}: expected a column name (str), got {type(value).__name__}")
+    try:
+        return _table_bars(path, suffix, time=time, close=close, open=open, high=high, low=low, volume=volume)
+    except (MarketDataError, OSError):
+        raise
+    except Exception as err:  # noqa: BLE001 (pandas / pyarrow parse errors have no common type)
+        raise MarketDataError(f"{path}: not a readable price table ({type(err).__name__}: {err})") from None
+
+
+def _table_bars(path: Path, suffix: str, **chosen: str | None) -> Bars:
+    """:func:`read_table`'s work on checked arguments (any parse error is the caller's to wrap)."""
+    import pandas as pd
+
+    f, _ = open_regular(path)
+    with f:
+        table = pd.read_csv(f) if suffix == ".csv" else pd.read_parquet(f)
+    time, close, open, high, low, volume = (chosen[k] for k in ("time", "close", "open", "high", "low", "volume"))
     missing = {k: v for k, v in chosen.items() if v is not None and v not in table.columns}
     if missing:
-        raise ValueError(f"columns: {missing} not in {path} (it has {list(table.columns)})")
+        raise MarketDataError(f"{path}: columns {missing} are not in it (it has {list(map(str, table.columns))[:50]})")
     stamp = table[time]
-    ts = (stamp.to_numpy(np.int64) if pd.api.types.is_integer_dtype(stamp)
-          else pd.to_datetime(stamp, utc=True).to_numpy("datetime64[ns]").astype(np.int64))
+    if stamp.isna().any():
+        raise MarketDataError(f"{path}: column {time!r} has a missing time at row {int(np.argmax(stamp.isna()))}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # pandas' "could not infer format": parsed one by one
+        ts = (stamp.to_numpy(np.int64) if pd.api.types.is_integer_dtype(stamp)
+              else pd.to_datetime(stamp, utc=True).to_numpy("datetime64[ns]").astype(np.int64))
     order = np.argsort(ts, kind="stable")
 
     def column(name: str | None, fallback: np.ndarray) -> np.ndarray:

@@ -19,13 +19,8 @@ from portable_ssm import Mamba2Config, Mamba2State, forward, step, to_backend
 from portable_ssm._array import array_backend, device, namespace
 
 from .bars import Bars
-from .features import LOOKBACK, Normaliser, bar_features
-
-HEAD_NAMES = ("inp.weight", "inp.bias", "head.weight", "head.bias")
-
-
-def _linear(x: Any, weight: Any, bias: Any) -> Any:
-    return x @ weight.T + bias  # [..., in] -> [..., out]
+from .features import LOOKBACK, Normaliser, bar_features, model_inputs
+from .live import HEAD_NAMES, _linear
 
 
 def predict(x: Any, head: dict[str, Any], params: dict[str, Any], *, config: Mamba2Config) -> Any:
@@ -65,8 +60,8 @@ class StreamPredictor:
             return None
         o, h, lo, c, v = np.array(self._recent, dtype=np.float64).T  # [LOOKBACK] each
         bars = Bars(ts_event=np.zeros(LOOKBACK, np.int64), open=o, high=h, low=lo, close=c, volume=v)
-        row = self.normaliser(bar_features(bars)[-1:])  # [1, F]
-        x_t = to_backend(row.astype(np.float64), self._backend, device=self._device)
+        row = model_inputs(bar_features(bars)[-1:], self.normaliser)  # [1, F]; a NaN feature reads 0
+        x_t = to_backend(row, self._backend, device=self._device)
         x_t = self._xp.astype(x_t, self._dtype)  # [1, F]
         u = _linear(x_t, self.head["inp.weight"], self.head["inp.bias"])  # [1, d_model]
         y, self.state = step(u, self.state, self.params, config=self.config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._checks import check_choice, check_int, check_real
 from .bars import Bars
 
 KINDS = ("planted", "random-walk")
@@ -18,9 +19,11 @@ _START_NS = 1_700_000_000_000_000_000
 
 
 def synthetic_bars(kind: str, n: int, *, seed: int, vol: float = 1e-3) -> Bars:
-    """``n`` one-minute bars around price 100 (prices on the 1e-9 grid, integer volumes)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    """``n`` one-minute bars around price 100 (prices on the 1e-9 grid, integer volumes); ``n`` an
+    int >= 1, ``seed`` an int >= 0, ``vol`` in (0, 1]."""
+    kind = check_choice("kind", kind, KINDS)
+    n, seed = check_int("n", n, minimum=1), check_int("seed", seed, minimum=0)
+    vol = check_real("vol", vol, low=0.0, high=1.0, open_low=True)
     rng = np.random.default_rng([seed, 7])
     flips = rng.random(n) < 0.02
     regime = (np.cumsum(flips) + rng.integers(0, 2)) % 2  # [n] 1 = high volume, momentum

@@ -46,7 +46,8 @@ def test_a_price_table_with_date_and_volume_columns_trains_on_the_named_columns(
     assert result["bars"] == 400 and result["metric"] == "error_rate" and isinstance(result["beats_baseline"], bool)
     assert set(result["baselines"]) == {"majority", "last_sign", "ar5_sign"}
     assert result["train_windows"] > 300  # overlapping windows (stride 1), not 400 // 10
-    for name in ("model.safetensors", "trainer.safetensors", "curves.png", "validation.png", "market.json"):
+    for name in ("model.safetensors", "trainer.safetensors", "head.safetensors", "curves.png", "validation.png",
+                 "market.json"):
         assert (tmp_path / "run" / name).stat().st_size > 0, name
 
 

@@ -1,0 +1,241 @@
+"""Market data at a desk's scale: streaming latency per bar (old and new paths, 1..1000 instruments) and
+DBN reading speed and peak memory on generated 10^7-record files. Prints Markdown tables and a JSON line.
+
+    python benchmarks/market_bench.py                      # both parts
+    python benchmarks/market_bench.py --only latency --instruments 1 10
+    python benchmarks/market_bench.py --only reading --records 1000000
+
+Latency: the seed-shaped model (d_model 256, 2 layers, float32, random weights), torch limited to
+one thread, numpy's BLAS to one thread; a "bar" is one update of every instrument. The old path is
+``StreamPredictor`` (one instrument, features rebuilt from Bars, ``portable_ssm.step``), the new one
+``MarketStream`` (its module docstring says which step each backend takes). Reading: each case
+runs in a fresh process and reports records/s and its peak RSS (VmHWM) above the RSS after imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+FIELDS = ("open", "high", "low", "close", "volume")
+
+
+def _seed_model(backend: str):
+    from portable_ssm.market import FEATURES, MarketModel, Normaliser
+
+    from portable_ssm import Mamba2Config, init_params, to_backend
+
+    config = Mamba2Config(d_model=256, n_layer=2)
+    rng = np.random.default_rng(0)
+    head = {"inp.weight": rng.standard_normal((256, len(FEATURES))) / 3, "inp.bias": np.zeros(256),
+            "head.weight": rng.standard_normal((1, 256)) / 16, "head.bias": np.zeros(1)}
+    head = {k: to_backend(v.astype(np.float32), backend) for k, v in head.items()}
+    return MarketModel(config=config, params=init_params(config, seed=0, backend=backend), head=head,
+                       normaliser=Normaliser(mean=np.zeros(len(FEATURES)), std=np.ones(len(FEATURES))))
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    return {"median_us": round(float(np.median(times)), 1), "p99_us": round(float(np.percentile(times, 99)), 1),
+            "bars": len(times)}
+
+
+def _time_old(model, bars, warmup: int) -> dict[str, float]:
+    from portable_ssm.market import StreamPredictor
+
+    predictor = StreamPredictor(model.head, model.params, config=model.config, normaliser=model.normaliser)
+    times = []
+    for i in range(len(bars)):
+        started = time.perf_counter_ns()
+        predictor.update(*(float(getattr(bars, f)[i]) for f in FIELDS))
+        times.append((time.perf_counter_ns() - started) / 1e3)
+    return _summary(times[warmup:])
+
+
+def _time_new(model, bars, n: int, warmup: int) -> dict[str, float]:
+    stream = model.stream(list(range(n)))
+    ids = np.arange(n)
+    rng = np.random.default_rng(n)
+    jitter = np.exp(1e-4 * rng.standard_normal((len(bars), n)))  # [T, n]: each instrument its own prices
+    columns = {f: getattr(bars, f)[:, None] * (jitter if f != "volume" else np.ones(n)) for f in FIELDS}  # [T, n] each
+    times = []
+    for i in range(len(bars)):
+        row = [np.ascontiguousarray(columns[f][i]) for f in FIELDS]
+        started = time.perf_counter_ns()
+        stream.update(ids, *row)
+        times.append((time.perf_counter_ns() - started) / 1e3)
+    return _summary(times[warmup:])
+
+
+def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int) -> list[dict]:
+    """Rows of the latency table: backend, path, N, median and p99 µs per bar."""
+    import torch
+    from portable_ssm.market import synthetic_bars
+
+    torch.set_num_threads(1)
+    rows = []
+    with torch.no_grad():
+        for backend in ("numpy", "torch"):
+            model = _seed_model(backend)
+            feed = synthetic_bars("planted", bars_per_n.get(1, 1000) + warmup, seed=0)
+            rows.append({"backend": backend, "path": "StreamPredictor (old)", "n": 1, **_time_old(model, feed, warmup)})
+            for n in instruments:
+                feed = synthetic_bars("planted", bars_per_n.get(n, 50) + warmup, seed=0)
+                rows.append({"backend": backend, "path": "MarketStream (new)", "n": n,
+                             **_time_new(model, feed, n, warmup)})
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+# --- reading ---
+
+
+def _write_files(folder: Path, records: int) -> dict[str, Path]:
+    """The generated files: OHLCV-1s (one instrument, and ten interleaved), trades; plain and zstd."""
+    import databento_dbn as dbn
+    import zstandard
+    from portable_ssm.market import layout
+
+    rng = np.random.default_rng(0)
+    ts = 1_700_000_000_000_000_000 + np.cumsum(rng.integers(0, 2_000_000, records, dtype=np.int64))
+    price = 100_000_000_000 + np.cumsum(rng.integers(-10_000_000, 10_001_000, records, dtype=np.int64))
+    files = {}
+    for name, schema, instruments in (("ohlcv", "ohlcv-1s", 1), ("ohlcv10", "ohlcv-1s", 10), ("trades", "trades", 1)):
+        r = np.zeros(records, layout(schema))
+        r["length"], r["rtype"], r["publisher_id"] = r.dtype.itemsize // 4, 32 if schema != "trades" else 0, 1
+        r["instrument_id"] = 1 + np.arange(records) % instruments
+        r["ts_event"] = ts
+        if schema == "trades":
+            r["price"], r["size"], r["ts_recv"] = price, 1 + np.arange(records) % 7, ts
+            r["action"], r["side"] = b"T", b"B"
+        else:
+            r["open"], r["close"] = price, price + 1_000_000
+            r["high"], r["low"], r["volume"] = price + 5_000_000, price - 5_000_000, 1 + np.arange(records) % 50
+        meta = dbn.Metadata(dataset="BENCH", start=int(ts[0]), stype_in=dbn.SType.RAW_SYMBOL,
+                            stype_out=dbn.SType.INSTRUMENT_ID, schema=dbn.Schema.from_str(schema), symbols=["X"])
+        path = folder / f"{name}.dbn"
+        with path.open("wb") as f:
+            f.write(meta.encode())
+            f.write(r.tobytes())
+        files[name] = path
+        del r
+        if instruments == 1:
+            packed = folder / f"{name}.dbn.zst"
+            with path.open("rb") as src, packed.open("wb") as dst:
+                zstandard.ZstdCompressor(level=1).copy_stream(src, dst)
+            files[name + ".zst"] = packed
+    return files
+
+
+def _status_mib(field: str) -> float:
+    """A memory figure of /proc/self/status in MiB (VmRSS now, VmHWM the peak of this program:
+    unlike ru_maxrss it does not carry the parent's peak across exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _read_case(path: str, case: str) -> None:
+    """One reading case in this (fresh) process; prints its JSON."""
+    from portable_ssm.market import read_bars, read_dbn_columns
+
+    base = _status_mib("VmRSS")
+    started = time.perf_counter()
+    if case == "columns":
+        schema, columns = read_dbn_columns(path)
+        out = sum(v.nbytes for v in columns.values())
+        n = columns["ts_event"].shape[0]
+    elif case == "filter":
+        schema, columns = read_dbn_columns(path, instrument_id=3)
+        out = sum(v.nbytes for v in columns.values())
+        n = None
+    elif case == "bars":
+        bars = read_bars(path, interval_ns=1_000_000_000)
+        out, n = sum(getattr(bars, f).nbytes for f in ("ts_event", *FIELDS)), None
+    else:  # "reference": the reader before the chunked one: one databento-dbn object per record
+        import databento_dbn as dbn
+
+        decoder, records = dbn.DBNDecoder(), []
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                decoder.write(chunk)
+                records.extend(r for r in decoder.decode() if hasattr(r, "instrument_id"))
+        columns = {"ts_event": np.array([r.ts_event for r in records], dtype=np.int64)}
+        for name in ("open", "high", "low", "close"):
+            columns[name] = np.array([getattr(r, name) for r in records], dtype=np.int64) / 1e9
+        columns["volume"] = np.array([r.volume for r in records], dtype=np.int64)
+        out, n = sum(v.nbytes for v in columns.values()), len(records)
+    seconds = time.perf_counter() - started
+    peak = _status_mib("VmHWM")
+    print(json.dumps({"seconds": seconds, "peak_above_imports_mib": round(peak - base, 1),
+                      "output_mib": round(out / 2**20, 1), "records_read": n}))
+
+
+def reading(records: int, reference_records: int) -> list[dict]:
+    """Rows of the reading table (each case in a fresh process)."""
+    rows = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("MARKET_BENCH_DIR")) as tmp:
+        files = _write_files(Path(tmp), records)
+        (Path(tmp) / "small").mkdir()
+        small = _write_files(Path(tmp) / "small", reference_records)
+        cases = [("OHLCV-1s, all columns", files["ohlcv"], "columns", records),
+                 ("OHLCV-1s + zstd, all columns", files["ohlcv.zst"], "columns", records),
+                 ("OHLCV-1s, 10 instruments, one chosen", files["ohlcv10"], "filter", records),
+                 ("trades -> 1 s bars", files["trades"], "bars", records),
+                 ("trades + zstd -> 1 s bars", files["trades.zst"], "bars", records),
+                 (f"OHLCV-1s, record by record (databento-dbn objects, {reference_records:.0e} records)",
+                  small["ohlcv"], "reference", reference_records)]
+        for label, path, case, n in cases:
+            done = subprocess.run([sys.executable, __file__, "_read", str(path), case], capture_output=True,
+                                  text=True, check=True)
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append({"case": label, "records": n, "file_mib": round(path.stat().st_size / 2**20, 1),
+                         "records_per_s": round(n / result["seconds"]), **result})
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "_read":
+        _read_case(sys.argv[2], sys.argv[3])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", choices=("latency", "reading"))
+    p.add_argument("--instruments", type=int, nargs="+", default=[1, 10, 100, 1000])
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--records", type=int, default=10_000_000)
+    p.add_argument("--reference-records", type=int, default=1_000_000)
+    args = p.parse_args()
+    result = {"load_average_at_start": [round(v, 1) for v in os.getloadavg()], "cpus": os.cpu_count()}
+    if args.only in (None, "latency"):
+        bars = {1: 1000, 10: 300, 100: 100, 1000: 30}
+        result["latency"] = latency(args.instruments, bars, args.warmup)
+        print(_table(result["latency"], ["backend", "path", "n", "median_us", "p99_us", "bars"]))
+    if args.only in (None, "reading"):
+        result["reading"] = reading(args.records, args.reference_records)
+        print(_table(result["reading"], ["case", "records", "file_mib", "records_per_s", "seconds",
+                                         "peak_above_imports_mib", "output_mib"]))
+    result["load_average_at_end"] = [round(v, 1) for v in os.getloadavg()]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""DBN files (plain or zstd) read in bounded memory: chunks of records as NumPy structured arrays.
+
+A DBN file is ``b"DBN"``, a version byte, a little-endian u32 length, that many bytes of metadata
+(decoded by databento-dbn), then fixed-size records. Every record opens with the same header::
+
+    length u8 (in 4-byte words) | rtype u8 | publisher_id u16 | instrument_id u32 | ts_event u64
+
+and the schema fixes the rest (:data:`LAYOUTS`; plus ``ts_out`` u64 when the metadata says so).
+:func:`iter_records` decompresses (zstd is recognised by its magic number, not the file name)
+and cuts the stream into chunks of at most ``chunk_records`` records, each ``np.frombuffer`` over
+its bytes: no Python object per record, memory of one chunk at a time.
+
+Rules at the door (each a :class:`MarketDataError` naming the file, and the record where one is
+at fault): the file must be a regular file (a FIFO is refused unopened); the header must be DBN
+and its metadata decodable; every record must have the schema's length and rtype; the stream
+must end on a record boundary (a truncated file, or a truncated zstd frame, is refused, never
+read short); ``ts_event`` must be defined and non-decreasing over the records read (records out of
+time order are refused, not sorted).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ._checks import MarketDataError, check_int, open_regular
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+MAX_METADATA_BYTES = 64 << 20  # symbology mappings can be long; anything beyond this is refused
+CHUNK_RECORDS = 1 << 18  # records per chunk: 14 MiB of OHLCV, the bounded working set
+_ZSTD_PIECE = 4096  # compressed bytes per decompress call: at most ~128 MiB out of one call
+
+_HEADER = [("length", "u1"), ("rtype", "u1"), ("publisher_id", "<u2"), ("instrument_id", "<u4"), ("ts_event", "<u8")]
+_TRADE = [("price", "<i8"), ("size", "<u4"), ("action", "S1"), ("side", "S1"), ("flags", "u1"), ("depth", "u1"),
+          ("ts_recv", "<u8"), ("ts_in_delta", "<i4"), ("sequence", "<u4")]
+_LEVEL = [("bid_px_00", "<i8"), ("ask_px_00", "<i8"), ("bid_sz_00", "<u4"), ("ask_sz_00", "<u4"),
+          ("bid_ct_00", "<u4"), ("ask_ct_00", "<u4")]
+#: Record layouts (little-endian, packed as DBN writes them): OHLCV 56 bytes, trades 48, MBP-1 80.
+LAYOUTS = {"ohlcv": _HEADER + [("open", "<i8"), ("high", "<i8"), ("low", "<i8"), ("close", "<i8"), ("volume", "<u8")],
+           "trades": _HEADER + _TRADE, "mbp-1": _HEADER + _TRADE + _LEVEL}
+#: The rtype each schema's records carry.
+RTYPES = {"ohlcv-1s": 32, "ohlcv-1m": 33, "ohlcv-1h": 34, "ohlcv-1d": 35, "ohlcv-eod": 36, "trades": 0, "mbp-1": 1}
+OHLCV_SCHEMAS = ("ohlcv-1s", "ohlcv-1m", "ohlcv-1h", "ohlcv-1d", "ohlcv-eod")
+EVENT_SCHEMAS = ("trades", "mbp-1")
+
+
+def layout(schema: str, *, ts_out: bool = False) -> np.dtype:
+    """The structured dtype of one ``schema`` record (with the trailing ``ts_out`` when set)."""
+    fields = LAYOUTS["ohlcv" if schema in OHLCV_SCHEMAS else schema]
+    return np.dtype(fields + ([("ts_out", "<u8")] if ts_out else []))
+
+
+def _plain_blocks(f: BinaryIO, size: int) -> Iterator[bytes]:
+    while block := f.read(size):
+        yield block
+
+
+def _zstd_blocks(f: BinaryIO, size: int, path: str) -> Iterator[bytes]:
+    """The decompressed stream of one or more zstd frames, in blocks of about ``size`` bytes; a
+    MarketDataError when it ends inside a frame or is not zstd."""
+    try:
+        import zstandard
+    except ImportError:
+        raise ImportError(f"{path} is zstd-compressed: reading it needs zstandard "
+                          f"(pip install 'portable_ssm[market]')") from None
+
+    make = zstandard.ZstdDecompressor().decompressobj
+    decoder, fed, pending, done = make(), False, [], 0
+    try:
+        while piece := f.read(_ZSTD_PIECE):
+            while piece:
+                out = decoder.decompress(piece)
+                fed = True
+                pending.append(out)
+                done += len(out)
+                piece = b""
+                if decoder.eof:
+                    piece, decoder, fed = decoder.unused_data, make(), False
+            if done >= size:
+                yield b"".join(pending)
+                pending, done = [], 0
+    except zstandard.ZstdError as err:
+        raise MarketDataError(f"{path}: corrupt zstd stream ({err})") from None
+    if fed:
+        raise MarketDataError(f"{path}: truncated: the zstd stream ends inside a frame")
+    if pending:
+        yield b"".join(pending)
+
+
+def _take(stream: Iterator[bytes], have: bytes, n: int) -> bytes:
+    """``have`` extended from ``stream`` to at least ``n`` bytes (fewer only at the end)."""
+    parts, total = [have], len(have)
+    while total < n:
+        block = next(stream, None)
+        if block is None:
+            break
+        parts.append(block)
+        total += len(block)
+    return b"".join(parts)
+
+
+def _metadata(stream: Iterator[bytes], path: str) -> tuple[Any, bytes, int]:
+    """The decoded metadata, the bytes read past it, and the header's length (8 + metadata)."""
+    import databento_dbn as dbn
+
+    data = _take(stream, b"", 8)
+    if len(data) < 8 or data[:3] != b"DBN":
+        raise MarketDataError(f"{path}: not a DBN file: it does not start with b'DBN' and a version")
+    length = int.from_bytes(data[4:8], "little")
+    if length > MAX_METADATA_BYTES:
+        raise MarketDataError(f"{path}: not a DBN file: metadata of {length} bytes exceeds {MAX_METADATA_BYTES}")
+    data = _take(stream, data, 8 + length)
+    if len(data) < 8 + length:
+        raise MarketDataError(f"{path}: truncated: the file ends inside its {length}-byte metadata")
+    try:
+        metadata = dbn.Metadata.decode(data[:8 + length])
+    except Exception as err:  # noqa: BLE001 (databento-dbn's decode errors have no common type)
+        raise MarketDataError(f"{path}: corrupt DBN metadata ({err})") from None
+    return metadata, data[8 + length:], 8 + length
+
+
+def _schema(metadata: Any, path: str) -> str:
+    schema = None if metadata.schema is None else str(metadata.schema.value if hasattr(metadata.schema, "value")
+                                                      else metadata.schema)
+    if schema not in RTYPES:
+        raise MarketDataError(f"{path}: schema {schema!r} is not read here; expected one of {tuple(RTYPES)}")
+    return schema
+
+
+def _check_records(records: np.ndarray, schema: str, first: int, path: str) -> None:
+    """Every record has the schema's length and rtype, and a defined ts_event."""
+    words, rtype = records.dtype.itemsize // 4, RTYPES[schema]
+    bad = np.flatnonzero((records["length"] != words) | (records["rtype"] != rtype))
+    if bad.size:
+        r = records[bad[0]]
+        raise MarketDataError(f"{path}: record {first + int(bad[0])} has length {int(r['length']) * 4} bytes and "
+                              f"rtype {int(r['rtype'])}; a {schema} file holds {words * 4}-byte records of "
+                              f"rtype {rtype}")
+    undefined = np.flatnonzero(records["ts_event"] > np.uint64(2**63 - 1))
+    if undefined.size:
+        raise MarketDataError(f"{path}: record {first + int(undefined[0])} has an undefined ts_event")
+
+
+def iter_records(path: str | os.PathLike, *,
+                 chunk_records: int = CHUNK_RECORDS) -> Iterator[tuple[str, int, np.ndarray]]:
+    """``(schema, index of the chunk's first record, records)`` for each chunk of at most
+    ``chunk_records`` records of a DBN file (plain or zstd), ``records`` a read-only structured
+    array of :func:`layout` that is valid until the next chunk is read (plain files are read into
+    one reused buffer: copy what you keep). Checks each record's length, rtype and ts_event (see
+    the module docstring); the order of ts_event is the caller's to check (:class:`TimeOrder`)."""
+    chunk_records = check_int("chunk_records", chunk_records, minimum=1)
+    path = os.fspath(path)
+    f, _ = open_regular(path)
+    with f:
+        schema, dtype, compressed, stream, head = _open_stream(f, path)
+        blocks = (_blocks_of(itertools.chain([head], stream), dtype.itemsize * chunk_records) if compressed
+                  else _read_into(f, dtype.itemsize * chunk_records))
+        first, rest = 0, b""
+        for data in blocks:
+            n = len(data) // dtype.itemsize  # whole records: every block but the last is a multiple
+            records = np.frombuffer(data, dtype=dtype, count=n)
+            records.flags.writeable = False
+            rest = data[n * dtype.itemsize:]
+            if n:
+                _check_records(records, schema, first, path)
+                yield schema, first, records
+                first += n
+        if len(rest):
+            raise MarketDataError(f"{path}: truncated: {len(rest)} bytes of a partial {dtype.itemsize}-byte "
+                                  f"record {first} at the end")
+
+
+def _read_into(f: BinaryIO, size: int) -> Iterator[memoryview]:
+    """The rest of a plain file in blocks of ``size`` bytes (the last shorter), each read into one
+    reused buffer: no allocation or copy per block."""
+    buffer = memoryview(bytearray(size))
+    while True:
+        done = 0
+        while done < size:
+            got = f.readinto(buffer[done:])
+            if not got:
+                break
+            done += got
+        if done:
+            yield buffer[:done]
+        if done < size:
+            return
+
+
+def _open_stream(f: BinaryIO, path: str) -> tuple[str, np.dtype, bool, Iterator[bytes], bytes]:
+    """The schema, record dtype, whether the file is zstd, the rest of the decompressed stream and
+    the bytes already read past the metadata (a plain file is left positioned just past it)."""
+    compressed = f.read(4) == ZSTD_MAGIC
+    f.seek(0)
+    stream = _zstd_blocks(f, 1 << 20, path) if compressed else _plain_blocks(f, 1 << 16)
+    metadata, rest, header = _metadata(stream, path)
+    if not compressed:
+        f.seek(header)
+        rest = b""
+    schema = _schema(metadata, path)
+    return schema, layout(schema, ts_out=bool(metadata.ts_out)), compressed, stream, rest
+
+
+def record_capacity(path: str | os.PathLike) -> int | None:
+    """At most how many records a plain DBN file holds (from its size; None for zstd)."""
+    path = os.fspath(path)
+    f, size = open_regular(path)
+    with f:
+        _, dtype, compressed, _, _ = _open_stream(f, path)
+        return None if compressed else max(size - f.tell(), 0) // dtype.itemsize
+
+
+def _blocks_of(stream: Iterator[bytes], size: int) -> Iterator[bytes]:
+    """``stream`` regrouped into blocks of about ``size`` bytes (the last one shorter)."""
+    parts, total = [], 0
+    for block in stream:
+        parts.append(block)
+        total += len(block)
+        if total >= size:
+            data = b"".join(parts)
+            for start in range(0, len(data) - size + 1, size):
+                yield data[start:start + size]
+            tail = data[len(data) // size * size:]
+            parts, total = ([tail], len(tail)) if tail else ([], 0)
+    if parts:
+        yield b"".join(parts)
+
+
+def read_schema(path: str | os.PathLike) -> str:
+    """The schema named in a DBN file's metadata (only the header is read); errors as :func:`iter_records`."""
+    path = os.fspath(path)
+    f, _ = open_regular(path)
+    with f:
+        return _open_stream(f, path)[0]
+
+
+class TimeOrder:
+    """Checks that ``ts_event`` never decreases across the chunks of one file (carrying the last one)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.last, self.last_index = path, -1, -1
+
+    def check(self, ts: np.ndarray, index: np.ndarray) -> None:
+        """``ts [n]`` int64 of the records at file positions ``index [n]``: MarketDataError naming
+        the first record earlier than the one before it."""
+        if ts.size == 0:
+            return
+        back = np.flatnonzero(ts[1:] < ts[:-1])
+        if ts[0] < self.last:
+            bad, before, before_index = 0, self.last, self.last_index
+        elif back.size:
+            bad = int(back[0]) + 1
+            before, before_index = int(ts[bad - 1]), int(index[bad - 1])
+        else:
+            self.last, self.last_index = int(ts[-1]), int(index[-1])
+            return
+        raise MarketDataError(f"{self.path}: records out of time order: record {int(index[bad])} has ts_event "
+                              f"{int(ts[bad])}, earlier than record {before_index}'s {before}; sort the file by "
+                              f"ts_event first")

@@ -1,0 +1,234 @@
+"""Many instruments streamed through one market model: a batch row per instrument, each its own state.
+
+:class:`MarketStream` holds, per instrument, the Mamba-2 state and the last bar's log close and
+log1p volume; each :meth:`~MarketStream.update` takes one new bar for any subset of the
+instruments and returns their predictions in one batched step, the features computed from the
+carried values (no window is recomputed, :func:`~portable_ssm.market.features.feature_rows` as the
+batch path uses). An instrument's first bar has no features: it returns NaN and leaves the state
+alone, as :meth:`MarketModel.predict` returns NaN for row 0. Instruments join (:meth:`add`) and
+leave (:meth:`remove`) between updates; the others' states are untouched.
+
+The step (``fast=True``, the default) takes the fastest exact path each backend has: on NumPy
+:class:`~portable_ssm.market.numpy_step.NumpyStep` (weights prepared once, the state updated in
+place); on PyTorch (CPU, float32) each row goes through the backend's compiled whole-model
+decode (``decode_model`` of ``portable_ssm.backends.torch``: every layer, the final norm and the
+head in one native call, batch 1) where it is built, its state row written back in place.
+Otherwise, and with ``fast=False``, it is :func:`portable_ssm.step`, the reference; tests hold
+every path to the batch forward within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from portable_ssm import Mamba2Config, Mamba2State, empty_state, step, to_backend
+from portable_ssm._array import array_backend, device, namespace
+
+from ._checks import check_float_array, check_int
+from .features import Normaliser, feature_rows, model_inputs
+from .numpy_step import NumpyStep
+
+HEAD_NAMES = ("inp.weight", "inp.bias", "head.weight", "head.bias")
+
+
+def _linear(x: Any, weight: Any, bias: Any) -> Any:
+    return x @ weight.T + bias  # [..., in] -> [..., out]
+
+
+def check_head(head: Any, config: Mamba2Config, features: int) -> None:
+    """ValueError unless ``head`` holds the four maps with shapes ``inp.weight [d_model, F]``,
+    ``inp.bias [d_model]``, ``head.weight [1, d_model]``, ``head.bias [1]``."""
+    if not isinstance(head, dict):
+        raise TypeError(f"head: expected a dict of {HEAD_NAMES}, got {type(head).__name__}")
+    d = config.d_model
+    shapes = {"inp.weight": (d, features), "inp.bias": (d,), "head.weight": (1, d), "head.bias": (1,)}
+    for name, shape in shapes.items():
+        if name not in head:
+            raise ValueError(f"head: missing {name!r}; expected {list(HEAD_NAMES)}")
+        if tuple(head[name].shape) != shape:
+            raise ValueError(f"head[{name!r}]: expected shape {list(shape)}, got {tuple(head[name].shape)}")
+
+
+class MarketStream:
+    """One prediction per instrument per bar, for any number of instruments updated together.
+
+    Args:
+        head: the two linear maps (:func:`check_head`), on the backbone's backend and dtype.
+        params, config: the Mamba-2 backbone.
+        normaliser: the training span's frozen feature statistics.
+        instruments: the instrument ids streaming from the start (more join with :meth:`add`).
+        fast: take each backend's fast path (module docstring); False: :func:`portable_ssm.step` only.
+    """
+
+    def __init__(self, head: dict[str, Any], params: dict[str, Any], *, config: Mamba2Config,
+                 normaliser: Normaliser, instruments: tuple[int, ...] | list[int] = (), fast: bool = True) -> None:
+        if not isinstance(fast, bool):
+            raise TypeError(f"fast: expected a bool, got {type(fast).__name__}")
+        if not isinstance(normaliser, Normaliser):
+            raise TypeError(f"normaliser: expected a Normaliser, got {type(normaliser).__name__}")
+        check_head(head, config, normaliser.mean.shape[0])
+        self.head, self.params, self.config, self.normaliser = head, params, config, normaliser
+        like = head["inp.weight"]
+        self._xp, self._backend, self._device, self._dtype = (namespace(like=like), array_backend(like),
+                                                              device(like), like.dtype)
+        self._ids: list[int] = []
+        self._row: dict[int, int] = {}
+        self._previous = np.zeros((2, 0))  # [2, N]: each row's last log close and log1p volume
+        self._seen = np.zeros(0, bool)  # [N]: whether the row has had a bar
+        self.state: Mamba2State | None = None  # batch N, rows in the order of ``instruments``
+        self._native = self._native_decode() if fast else None
+        use_numpy = fast and self._backend == "numpy" and NumpyStep.supports({**params, **head}, config)
+        self._numpy = NumpyStep(params, config) if use_numpy else None
+        if len(instruments):
+            self._join(list(instruments))
+
+    @property
+    def instruments(self) -> tuple[int, ...]:
+        """The instrument ids streaming, in row order."""
+        return tuple(self._ids)
+
+    def _native_decode(self) -> Any:
+        """``(x [1, d_model], state) -> (outputs [1, 1] before head.bias, state)`` through the torch
+        backend's whole-model decode, or None where that backend has none."""
+        if self._backend != "torch":
+            return None
+        from portable_ssm.backends import torch as torch_backend
+
+        params = {**self.params, "lm_head.weight": self.head["head.weight"]}  # the head as a one-row vocabulary
+        config = dataclasses.replace(self.config, tie_embeddings=False)
+
+        def decode(x: Any, state: Mamba2State) -> Any:
+            return torch_backend.decode_model(x, state, params, config)
+
+        return decode
+
+    def add(self, instrument_id: int) -> None:
+        """A new instrument joins with a fresh state (its first bar gives no prediction)."""
+        self._join([instrument_id])
+
+    def _join(self, instrument_ids: Any) -> None:
+        """Instruments join together: one copy of the state for all of them (joining one at a time
+        would copy the growing state once per instrument)."""
+        ids = [check_int("instrument_id", i, minimum=0) for i in instrument_ids]
+        for i in ids:
+            if i in self._row or ids.count(i) > 1:
+                raise ValueError(f"instrument_id: {i} is already streaming")
+        fresh = empty_state(self.config, len(ids), self.head["inp.weight"])
+        fresh = Mamba2State(conv=tuple(a * 1 for a in fresh.conv), ssm=tuple(a * 1 for a in fresh.ssm))  # per layer
+        self.state = fresh if self.state is None else Mamba2State(
+            conv=tuple(self._xp.concat([a, b], axis=0) for a, b in zip(self.state.conv, fresh.conv)),
+            ssm=tuple(self._xp.concat([a, b], axis=0) for a, b in zip(self.state.ssm, fresh.ssm)))
+        for i in ids:
+            self._row[i] = len(self._ids)
+            self._ids.append(i)
+        self._previous = np.concatenate([self._previous, np.full((2, len(ids)), np.nan)], axis=1)
+        self._seen = np.concatenate([self._seen, np.zeros(len(ids), bool)])
+
+    def remove(self, instrument_id: int) -> None:
+        """The instrument leaves: its row and state are dropped; the others keep theirs."""
+        instrument_id = check_int("instrument_id", instrument_id, minimum=0)
+        if instrument_id not in self._row:
+            raise ValueError(f"instrument_id: {instrument_id} is not streaming (streaming: {self._ids[:20]})")
+        gone = self._row.pop(instrument_id)
+        self._ids.pop(gone)
+        self._row = {i: r for r, i in enumerate(self._ids)}
+        keep = np.delete(np.arange(len(self._ids) + 1), gone)
+        self._previous, self._seen = self._previous[:, keep], self._seen[keep]
+        if not self._ids:
+            self.state = None
+            return
+        rows = to_backend(keep.astype(np.int64), self._backend, device=self._device)
+        self.state = Mamba2State(conv=tuple(self._xp.take(a, rows, axis=0) for a in self.state.conv),
+                                 ssm=tuple(self._xp.take(a, rows, axis=0) for a in self.state.ssm))
+
+    def _rows(self, instrument_ids: Any) -> np.ndarray:
+        ids = np.asarray(instrument_ids)
+        if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1:
+            raise TypeError(f"instrument_ids: expected a 1-D integer array, got {ids.dtype} {ids.shape}")
+        unknown = [int(i) for i in ids if int(i) not in self._row]
+        if unknown:
+            raise ValueError(f"instrument_ids: {unknown[:10]} are not streaming; add() them first")
+        rows = np.array([self._row[int(i)] for i in ids], dtype=np.int64)
+        if np.unique(rows).size != rows.size:
+            raise ValueError("instrument_ids: an instrument appears twice in one update")
+        return rows
+
+    def update(self, instrument_ids: Any, open: Any, high: Any, low: Any, close: Any, volume: Any) -> np.ndarray:
+        """One closed bar for each of ``instrument_ids [k]`` (distinct, streaming), the bar's fields
+        float ``[k]`` each (NaN or a non-positive price: a missing bar); returns the predictions
+        ``[k]`` float64 made at the bars' close (NaN for an instrument's first bar)."""
+        rows = self._rows(instrument_ids)
+        fields = [check_float_array(n, v, ndim=1) for n, v in
+                  (("open", open), ("high", high), ("low", low), ("close", close), ("volume", volume))]
+        for name, value in zip(("open", "high", "low", "close", "volume"), fields):
+            if value.shape != rows.shape:
+                raise ValueError(f"{name}: expected shape [{rows.size}] like instrument_ids, got {value.shape}")
+        features, log_close, log_volume = feature_rows(self._previous[0, rows], self._previous[1, rows], *fields)
+        stepping = self._seen[rows]  # [k]: rows with a bar before (their features exist)
+        self._previous[:, rows] = log_close, log_volume
+        self._seen[rows] = True
+        out = np.full(rows.size, np.nan)
+        if stepping.any():
+            out[stepping] = self._step(rows[stepping], model_inputs(features[stepping], self.normaliser))
+        return out
+
+    def _step(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """Model outputs ``[k]`` of inputs ``x [k, F]`` (float32) for state rows ``rows [k]``."""
+        xp = self._xp
+        everyone = rows.size == len(self._ids) and (rows == np.arange(rows.size)).all()
+        if self._numpy is not None:
+            return self._numpy_step(rows, x, everyone)
+        if self._native is not None:
+            out = self._native_rows(rows, x)
+            if out is not None:
+                return out
+        index = None if everyone else to_backend(rows, self._backend, device=self._device)
+        state = self.state if everyone else Mamba2State(conv=tuple(xp.take(a, index, axis=0) for a in self.state.conv),
+                                                         ssm=tuple(xp.take(a, index, axis=0) for a in self.state.ssm))
+        x_b = xp.astype(to_backend(x, self._backend, device=self._device), self._dtype)  # [k, F]
+        u = _linear(x_b, self.head["inp.weight"], self.head["inp.bias"])  # [k, d_model]
+        y, state = step(u, state, self.params, config=self.config)
+        out = _linear(y, self.head["head.weight"], self.head["head.bias"])  # [k, 1]
+        self.state = state if everyone else self._scatter(index, state)
+        return np.asarray(to_backend(out, "numpy"), dtype=np.float64)[:, 0]
+
+    def _native_rows(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray | None:
+        """:meth:`_step` as one whole-model native decode per row (batch 1 each), each row's state
+        written back in place; None (nothing changed) where the backend declines the first row."""
+        u = _linear(self._xp.astype(to_backend(x, self._backend, device=self._device), self._dtype),
+                    self.head["inp.weight"], self.head["inp.bias"])  # [k, d_model]
+        out = np.empty(rows.size)
+        for j, r in enumerate(rows.tolist()):
+            row = Mamba2State(conv=tuple(a[r:r + 1] for a in self.state.conv),
+                              ssm=tuple(a[r:r + 1] for a in self.state.ssm))
+            fused = self._native(u[j:j + 1], row)
+            if fused is None:
+                if j == 0:
+                    return None
+                raise RuntimeError("the native decode declined a row after taking the first")
+            logits, new = fused  # [1, 1]: norm_f and head.weight applied
+            for whole, part in zip((*self.state.conv, *self.state.ssm), (*new.conv, *new.ssm)):
+                whole[r:r + 1] = part
+            out[j] = float(logits[0, 0] + self.head["head.bias"][0])
+        return out
+
+    def _numpy_step(self, rows: np.ndarray, x: np.ndarray, everyone: bool) -> np.ndarray:
+        """:meth:`_step` through :class:`NumpyStep`, the state updated in place (its rows copied out
+        and back when only some instruments update)."""
+        conv, ssm = list(self.state.conv), list(self.state.ssm)
+        if not everyone:
+            conv, ssm = [a[rows] for a in conv], [a[rows] for a in ssm]
+        u = _linear(x, self.head["inp.weight"], self.head["inp.bias"])  # [k, d_model]
+        y = self._numpy(u, conv, ssm)  # [k, d_model]
+        if not everyone:
+            for whole, part in zip((*self.state.conv, *self.state.ssm), (*conv, *ssm)):
+                whole[rows] = part
+        return _linear(y, self.head["head.weight"], self.head["head.bias"])[:, 0].astype(np.float64)
+
+    def _scatter(self, index: Any, rows: Mamba2State) -> Mamba2State:
+        from portable_ssm.state_pool import scatter_state
+
+        return scatter_state(self.state, index, rows, xp=self._xp)

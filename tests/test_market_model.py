@@ -1,0 +1,194 @@
+"""MarketModel and MarketStream: the run directory round trip, streaming == batch for many instruments
+joining and leaving (NaN bars included), the torch whole-model decode path, and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("databento_dbn")
+from portable_ssm.market import (  # noqa: E402
+    FEATURES,
+    Bars,
+    MarketDataError,
+    MarketModel,
+    MarketStream,
+    Normaliser,
+    bar_features,
+    synthetic_bars,
+)
+
+from portable_ssm import Mamba2Config, init_params, to_backend  # noqa: E402
+
+CONFIG = Mamba2Config(d_model=16, n_layer=2, d_state=8, headdim=8)
+
+
+def _model(backend: str = "numpy", device=None, seed: int = 0) -> MarketModel:
+    rng = np.random.default_rng(seed)
+    d = CONFIG.d_model
+    head = {"inp.weight": rng.standard_normal((d, len(FEATURES))) / 2, "inp.bias": rng.standard_normal(d) / 4,
+            "head.weight": rng.standard_normal((1, d)) / 4, "head.bias": rng.standard_normal(1)}
+    head = {k: to_backend(v.astype(np.float32), backend, device=device) for k, v in head.items()}
+    bars = synthetic_bars("planted", 200, seed=seed)
+    return MarketModel(config=CONFIG, params=init_params(CONFIG, seed=seed, backend=backend, device=device),
+                       head=head, normaliser=Normaliser.fit(bar_features(bars), 150), target="return", horizon=2,
+                       target_scale=1e-3, seq_len=20, instruments=(7,), info={"data": "synthetic"})
+
+
+def _with_nan(bars: Bars, t: int) -> Bars:
+    close = bars.close.copy()
+    close[t] = np.nan
+    return Bars(ts_event=bars.ts_event, open=bars.open, high=bars.high, low=bars.low, close=close, volume=bars.volume)
+
+
+def test_a_saved_run_directory_loads_back_in_one_call_with_every_setting(tmp_path):
+    model = _model()
+    model.save(tmp_path / "run")
+    assert sorted(os.listdir(tmp_path / "run")) == ["head.safetensors", "market.json", "model.safetensors"]
+    back = MarketModel.load(tmp_path / "run")
+    assert (back.target, back.horizon, back.target_scale, back.seq_len, back.instruments, back.info) == \
+        ("return", 2, 1e-3, 20, (7,), {"data": "synthetic"})
+    assert back.config == CONFIG
+    np.testing.assert_array_equal(back.normaliser.mean, model.normaliser.mean)
+    np.testing.assert_array_equal(back.normaliser.std, model.normaliser.std)
+    bars = synthetic_bars("random-walk", 40, seed=3)
+    np.testing.assert_array_equal(back.predict(bars), model.predict(bars))
+    assert np.isnan(back.predict(bars)[0]) and np.isfinite(back.predict(bars)[1:]).all()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast path", "portable_ssm.step"])
+def test_streaming_many_instruments_joining_and_leaving_equals_the_batch_forward_of_each(xp, fast):
+    model = _model(xp.name, xp.device)
+    series = {3: synthetic_bars("planted", 30, seed=1), 9: _with_nan(synthetic_bars("planted", 30, seed=2), 12),
+              4: synthetic_bars("random-walk", 30, seed=5)}
+    joins, leaves = {3: 0, 9: 0, 4: 10}, {9: 25}  # 4 joins at bar 10; 9 leaves after bar 24
+    stream = model.stream(instruments=[], fast=fast)
+    assert (stream._numpy is not None) == (fast and xp.name == "numpy")
+    streamed: dict[int, list[float]] = {i: [] for i in series}
+    for t in range(30):
+        for i, at in joins.items():
+            if at == t:
+                stream.add(i)
+        for i, at in leaves.items():
+            if at == t:
+                stream.remove(i)
+        ids = [i for i in stream.instruments if t % 4 != 1 or i != 3]  # 3 skips some bars' updates: subsets
+        bars = {i: series[i] for i in ids}
+        start = {i: joins[i] for i in ids}
+        out = stream.update(np.array(ids), *(np.array([getattr(bars[i], f)[t] for i in ids])
+                                             for f in ("open", "high", "low", "close", "volume")))
+        for i, value in zip(ids, out):
+            streamed[i].append((t - start[i], value))
+    for i, values in streamed.items():
+        taken = np.array([k for k, _ in values])
+        bars = series[i].slice(joins[i], 30)
+        bars = Bars(**{f: getattr(bars, f)[taken] for f in ("ts_event", "open", "high", "low", "close", "volume")})
+        batch = model.predict(bars)
+        got = np.array([v for _, v in values])
+        assert np.isnan(got[0]) and np.isnan(batch[0])
+        np.testing.assert_allclose(got[1:], batch[1:], rtol=2e-4, atol=2e-5, err_msg=f"instrument {i}")
+    assert stream.instruments == (3, 4)
+
+
+def test_a_single_torch_instrument_streams_through_the_whole_model_decode_and_equals_batch(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from portable_ssm.backends import torch as torch_backend
+
+    real, taken = torch_backend.decode_model, []
+    monkeypatch.setattr(torch_backend, "decode_model", lambda *a: taken.append(r := real(*a)) or r)
+    model = _model("torch")
+    bars = synthetic_bars("planted", 25, seed=4)
+    stream = model.stream([1])
+    with torch.no_grad():
+        got = [stream.update(np.array([1]), *(getattr(bars, f)[t:t + 1] for f in ("open", "high", "low", "close",
+                                                                                      "volume")))[0]
+               for t in range(25)]
+    assert len(taken) == 24  # every bar after the first asked the native decode
+    if any(r is not None for r in taken):  # the kernel built here: its result is what came back
+        assert all(r is not None for r in taken)
+    np.testing.assert_allclose(got[1:], model.predict(bars)[1:], rtol=2e-4, atol=2e-5)
+
+
+BAD_UPDATES = [
+    ("unknown instrument", dict(ids=[5]), ValueError, "not streaming"),
+    ("twice in one update", dict(ids=[1, 1]), ValueError, "appears twice"),
+    ("bool ids", dict(ids=[True]), TypeError, "instrument_ids"),
+    ("float ids", dict(ids=[1.0]), TypeError, "instrument_ids"),
+    ("ragged prices", dict(ids=[1, 2], n=3), ValueError, "open: expected shape \\[2\\]"),
+    ("integer prices", dict(ids=[1], dtype=np.int64), TypeError, "open: expected a floating array"),
+]
+
+
+@pytest.mark.parametrize("case, error, message", [c[1:] for c in BAD_UPDATES], ids=[c[0] for c in BAD_UPDATES])
+def test_bad_updates_are_refused_by_name_and_change_no_state(case, error, message):
+    stream = _model().stream([1, 2])
+    ids = np.array(case["ids"])
+    field = np.ones(case.get("n", ids.size), dtype=case.get("dtype", np.float64))
+    with pytest.raises(error, match=message):
+        stream.update(ids, field, field, field, field, field)
+    assert stream.instruments == (1, 2) and not stream._seen.any()
+
+
+def test_joining_twice_or_leaving_unknown_is_refused():
+    stream = _model().stream([1])
+    with pytest.raises(ValueError, match="already streaming"):
+        stream.add(1)
+    with pytest.raises(ValueError, match="not streaming"):
+        stream.remove(2)
+    with pytest.raises(TypeError, match="instrument_id"):
+        stream.add(2.0)
+
+
+def test_a_stream_needs_a_whole_head():
+    model = _model()
+    with pytest.raises(ValueError, match="head: missing 'head.bias'"):
+        MarketStream({k: v for k, v in model.head.items() if k != "head.bias"}, model.params, config=CONFIG,
+                     normaliser=model.normaliser)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not valid JSON"),
+    ('{"format": "other"}', "not a market model file"),
+    ("[1, 2]", "not a market model file"),
+])
+def test_a_malformed_market_json_is_a_market_data_error_naming_it(tmp_path, text, message):
+    _model().save(tmp_path)
+    (tmp_path / "market.json").write_text(text)
+    with pytest.raises(MarketDataError, match=message):
+        MarketModel.load(tmp_path)
+
+
+def test_a_market_json_with_a_bad_field_is_refused_naming_the_file(tmp_path):
+    _model().save(tmp_path)
+    data = json.loads((tmp_path / "market.json").read_text())
+    data["horizon"] = 0
+    (tmp_path / "market.json").write_text(json.dumps(data))
+    with pytest.raises(MarketDataError, match="market.json|horizon"):
+        MarketModel.load(tmp_path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_fifo_as_market_json_is_refused_without_blocking(tmp_path):
+    _model().save(tmp_path)
+    os.remove(tmp_path / "market.json")
+    os.mkfifo(tmp_path / "market.json")
+    with pytest.raises(MarketDataError, match="FIFO"):
+        MarketModel.load(tmp_path)
+
+
+_FIELD = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(1e-3, 1e3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(bars=st.lists(st.tuples(_FIELD, _FIELD, _FIELD, _FIELD, _FIELD), min_size=1, max_size=12))
+def test_any_bar_values_stream_to_finite_predictions_and_never_raise(bars):
+    stream = _model().stream([1, 2])
+    for i, values in enumerate(bars):
+        out = stream.update(np.array([1, 2]), *(np.array([v, 1.0]) for v in values))
+        assert out.shape == (2,) and out.dtype == np.float64
+        assert np.isnan(out).all() if i == 0 else np.isfinite(out).all()  # a bad bar reads as the training mean
