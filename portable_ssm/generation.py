@@ -315,6 +315,13 @@ def generate(input_ids: Array, params: Params, *, config: Mamba2Config, attentio
     Returns:
         ``[b, l + new]`` ids (``new <= max_new_tokens``: stops once every row finished), or
         ``(ids, state)``.
+
+    Raises:
+        TypeError / ValueError naming the argument or option, before the prompt is read, for any
+        malformed one (an unknown option, a bool or float where an int belongs, NaN, a seed < 0,
+        ids out of range...); ValueError naming ``logits_processor`` when its result has another
+        shape, dtype or device than the scores it was given, or holds NaN or a row of only -inf
+        (TypeError for another backend). An exception raised inside the processor propagates.
     """
     check_bool("return_state", return_state)
     run = _Prefill(input_ids, params, config, attention_mask, initial_state, options)
