@@ -10,6 +10,11 @@ The decode state is a pool of ``--slots`` slots (one :class:`portable_ssm.Mamba2
 only (``state_batch_indices``), and the requests that reached their token budget or eos give their
 slot back. Decoding is greedy, so every request gets exactly the tokens of its own solo
 ``generate``, which the script checks; its last stdout line is a JSON summary.
+
+Requests are checked before any is served (:func:`check_requests`): a prompt that is not a
+non-empty list of token ids below the vocabulary, a token budget that is not an int >= 0 or an
+arrival that is not an int >= 0 is a TypeError/ValueError naming ``requests[i]``; a budget of 0
+gives no tokens and takes no slot.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ import numpy as np
 
 import portable_ssm as ps
 from portable_ssm import lm
+from portable_ssm._checks import check_int
 from portable_ssm.generation import generate
+from portable_ssm.generation_options import check_id
+from portable_ssm.prompts import check_prompt
 from portable_ssm.state_pool import write_state
 
 
@@ -35,20 +43,42 @@ class Request:
     arrival: int = 0
 
 
+def check_requests(requests: list[Request], config: ps.Mamba2Config, slots: int, eos_token_id: int | None) -> None:
+    """TypeError/ValueError naming the request or argument unless every request is a
+    :class:`Request` with a non-empty prompt of ids in ``[0, vocab_size)``, an int budget >= 0 and
+    an int arrival >= 0, ``slots`` an int >= 1 and ``eos_token_id`` None or an id."""
+    if not isinstance(requests, (list, tuple)):
+        raise TypeError(f"requests: expected a list of Request, got {type(requests).__name__}")
+    check_int("slots", slots, minimum=1)
+    if eos_token_id is not None:
+        check_id("eos_token_id", eos_token_id, config.vocab_size)
+    for i, r in enumerate(requests):
+        if not isinstance(r, Request):
+            raise TypeError(f"requests[{i}]: expected a Request, got {type(r).__name__}")
+        check_prompt(f"requests[{i}].prompt", r.prompt, config.vocab_size)
+        check_int(f"requests[{i}].max_new_tokens", r.max_new_tokens, minimum=0)
+        check_int(f"requests[{i}].arrival", r.arrival, minimum=0)
+
+
 def serve(params: dict, config: ps.Mamba2Config, requests: list[Request], slots: int,
           eos_token_id: int | None = None) -> tuple[list[list[int]], int]:
     """Every request run to completion through a pool of ``slots`` states (numpy, greedy): each
-    request's new tokens, and the number of decode steps taken (each over all busy slots)."""
+    request's new tokens, and the number of decode steps taken (each over all busy slots). The
+    requests are checked first (:func:`check_requests`)."""
+    check_requests(requests, config, slots, eos_token_id)
     pool = ps.empty_state(config, slots, params["embedding.weight"])
     free, busy = list(range(slots)), {}  # busy: slot -> request index
     waiting = sorted(range(len(requests)), key=lambda r: requests[r].arrival)
     outputs: list[list[int]] = [[] for _ in requests]
 
     def done(r: int) -> bool:
-        return len(outputs[r]) == requests[r].max_new_tokens or outputs[r][-1] == eos_token_id
+        out = outputs[r]
+        return len(out) >= requests[r].max_new_tokens or (eos_token_id is not None and out[-1] == eos_token_id)
 
     tick = steps = 0
     while waiting or busy:
+        while waiting and requests[waiting[0]].arrival <= tick and requests[waiting[0]].max_new_tokens == 0:
+            waiting.pop(0)  # nothing to generate: no slot, no prefill
         while waiting and free and requests[waiting[0]].arrival <= tick:  # admit
             r, slot = waiting.pop(0), free.pop(0)
             logits, state = lm.logits(np.asarray([requests[r].prompt]), params, config=config, return_state=True)

@@ -41,7 +41,7 @@ prefill stays eager, as it would compile once per prompt length).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -56,7 +56,7 @@ from ._array import (
     dtype_name,
     namespace,
 )
-from ._checks import Shapes
+from ._checks import Shapes, check_bool, check_given, check_same_device
 from .backends import fast_op, load, to_backend
 from .config import Mamba2Config
 from .generation_options import (
@@ -72,6 +72,9 @@ from .lm import check_token_ids, decode, prefill
 from .model import Mamba2State, _check_state
 from .padding import check_attention_mask
 from .params import Params, check_params
+from .prompts import left_pad
+
+__all__ = ["generate", "left_pad", "next_token", "stream"]
 
 
 def _mask_below(scores: Array, threshold: Array, *, xp: Namespace) -> Array:
@@ -131,17 +134,6 @@ def next_token(logits: Array, *, temperature: float = 0.0, top_k: int | None = N
 
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompts of unequal length as one left-padded batch: ``(ids, attention_mask)``, nested lists
-    ``[b, longest]`` (mask 0 on the padding, 1 on the tokens)."""
-    if not prompts or any(not isinstance(p, Sequence) or len(p) == 0 for p in prompts):
-        raise ValueError("input_ids: expected a non-empty list of non-empty token id lists")
-    width = max(len(p) for p in prompts)
-    ids = [[pad_token_id] * (width - len(p)) + list(p) for p in prompts]
-    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
-    return ids, mask
-
-
 def _keep_finished(old: Mamba2State, new: Mamba2State, active: Array, *, xp: Namespace) -> Mamba2State:
     """``new`` on the ``active [b]`` rows, ``old`` on the others."""
     return Mamba2State(conv=tuple(xp.where(active[:, None, None], n, o) for o, n in zip(old.conv, new.conv)),
@@ -194,10 +186,18 @@ def _processed(processor: Callable[[Array, Array], Array], input_ids: Array, gen
     """The user's ``processor(ids_so_far [b, l + i], scores [b, vocab])``, its result checked."""
     ids = input_ids if not generated else xp.concat([input_ids, xp.stack(generated, axis=1)], axis=1)
     out = processor(ids, scores)
-    namespace(**{"logits_processor's result": out, "scores": scores})
-    if tuple(out.shape) != tuple(scores.shape) or not xp.isdtype(out.dtype, "real floating"):
-        raise ValueError(f"logits_processor: expected scores of shape {tuple(scores.shape)} (real floating), "
-                         f"got shape {tuple(out.shape)} of {dtype_name(out.dtype)}")
+    name = "logits_processor's result"
+    check_given(**{name: out})
+    namespace(**{"scores": scores, name: out})
+    if tuple(out.shape) != tuple(scores.shape) or out.dtype != scores.dtype:
+        raise ValueError(f"logits_processor: expected scores of shape {tuple(scores.shape)} and dtype "
+                         f"{dtype_name(scores.dtype)} (those it was given), got shape {tuple(out.shape)} "
+                         f"of {dtype_name(out.dtype)}")
+    check_same_device(name, out, "scores", scores)
+    if bool(xp.any(xp.isnan(out))):
+        raise ValueError("logits_processor: returned NaN scores; mask tokens with -inf instead")
+    if bool(xp.any(xp.all(out == -math.inf, axis=-1))):
+        raise ValueError("logits_processor: returned a row of scores that are all -inf (no token left to choose)")
     return out
 
 
@@ -208,6 +208,7 @@ class _Prefill:
     def __init__(self, input_ids: Array, params: Params, config: Mamba2Config, attention_mask: Array | None,
                  initial_state: Mamba2State | None, options: dict[str, Any]) -> None:
         xp = check_params(params, config)
+        check_given(input_ids=input_ids)
         namespace(input_ids=input_ids, params=params["embedding.weight"])
         rows = config.padded_vocab_size
         if rows is None:
@@ -278,6 +279,7 @@ def stream(input_ids: Array, params: Params, *, config: Mamba2Config, attention_
 
     Arguments as :func:`generate`; they are all checked, and the prompt prefilled, before this returns.
     """
+    check_bool("return_state", return_state)
     return _Prefill(input_ids, params, config, attention_mask, initial_state, options).tokens(return_state)
 
 
@@ -314,7 +316,15 @@ def generate(input_ids: Array, params: Params, *, config: Mamba2Config, attentio
     Returns:
         ``[b, l + new]`` ids (``new <= max_new_tokens``: stops once every row finished), or
         ``(ids, state)``.
+
+    Raises:
+        TypeError / ValueError naming the argument or option, before the prompt is read, for any
+        malformed one (an unknown option, a bool or float where an int belongs, NaN, a seed < 0,
+        ids out of range...); ValueError naming ``logits_processor`` when its result has another
+        shape, dtype or device than the scores it was given, or holds NaN or a row of only -inf
+        (TypeError for another backend). An exception raised inside the processor propagates.
     """
+    check_bool("return_state", return_state)
     run = _Prefill(input_ids, params, config, attention_mask, initial_state, options)
     xp, state = run.xp, run.state
     tokens = []

@@ -13,14 +13,19 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._array import Array, array_backend, device, dtype_name, namespace
+from ._checks import check_given
 from .backends import load, to_backend
 from .config import Mamba2Config
-from .generation import check_token_ids, generate, left_pad, stream
-from .generation_options import check_id_list
+from .generation import check_token_ids, generate, stream
+from .generation_options import Limits, check_generation_config, check_id_list, is_int
 from .io.checkpoint import save_params
 from .lm import logits as lm_logits
 from .params import Params, check_params
+from .prompts import check_mask_lists, check_prompts, left_pad
 from .quantized import QuantizedWeight, quantize
+
+#: The checkpoint layouts a :class:`Mamba2LM` names.
+LAYOUTS = ("transformers", "state-spaces", "portable_ssm")
 
 #: The default ``eos_token_id`` of :meth:`Mamba2LM.generate` and :meth:`Mamba2LM.stream`: the model's own.
 CHECKPOINT_EOS = "checkpoint"
@@ -44,15 +49,20 @@ class Mamba2LM:
         if config.vocab_size is None:
             raise ValueError("config.vocab_size: a language model needs a vocabulary, got None")
         self.config, self.params = config, params
-        self.vocab_size = config.vocab_size if vocab_size is None else vocab_size
-        if not 0 < self.vocab_size <= config.padded_vocab_size:
+        vocab = config.vocab_size if vocab_size is None else vocab_size
+        if not is_int(vocab) or not 0 < vocab <= config.padded_vocab_size:
             raise ValueError(f"vocab_size: expected an int in [1, {config.padded_vocab_size}] (the "
                              f"embedding rows), got {vocab_size!r}")
+        self.vocab_size = int(vocab)
         eos = check_id_list("eos_token_id", eos_token_id, self.vocab_size)
-        self.eos_token_id = eos_token_id if eos_token_id is None or isinstance(eos_token_id, int) else eos
+        self.eos_token_id = None if not eos else eos[0] if is_int(eos_token_id) else eos
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.layout = layout
         self.checkpoint_dtype = checkpoint_dtype or self.dtype
-        self.generation_config = dict(generation_config or {})
+        self.generation_config = check_generation_config(
+            {} if generation_config is None else generation_config,
+            Limits(vocab=self.vocab_size, rows=config.padded_vocab_size))
 
     @property
     def backend(self) -> str:
@@ -70,25 +80,28 @@ class Mamba2LM:
     def num_parameters(self) -> int:
         return sum(math.prod(v.shape) for v in self.params.values())
 
-    def _ids(self, input_ids: Any) -> Array:
-        """Lists of ints become arrays on the model's backend; arrays must already be there."""
-        if isinstance(input_ids, (list, tuple)):
-            host = load("numpy").asarray(input_ids, "int64", None)
-            input_ids = to_backend(host, self.backend, device=self.device)
-        namespace(input_ids=input_ids, params=self.params["embedding.weight"])
-        return input_ids
-
     def _batch(self, input_ids: Any, attention_mask: Any) -> tuple[Array, Array | None]:
-        """``(ids, mask)`` on the model's backend: a list of unequal prompts is left-padded (with 0,
-        masked); nested lists become arrays, arrays must already be there."""
-        if isinstance(input_ids, (list, tuple)) and attention_mask is None and input_ids and all(
-                isinstance(p, (list, tuple)) for p in input_ids) and len({len(p) for p in input_ids}) > 1:
-            input_ids, attention_mask = left_pad(input_ids)
-        ids = self._ids(input_ids)
+        """``(ids, mask)`` on the model's backend. Lists are checked entry by entry
+        (:mod:`portable_ssm.prompts`): prompts of unequal length are left-padded with 0 (and
+        masked), so they take no mask of their own; arrays must already be on the model's backend."""
+        host = load("numpy")
+        if isinstance(input_ids, (list, tuple)):
+            prompts = check_prompts("input_ids", input_ids, self.config.padded_vocab_size)
+            if len({len(p) for p in prompts}) > 1:
+                if attention_mask is not None:
+                    raise ValueError("attention_mask: prompts of unequal length are left-padded and masked "
+                                     "here; pass them without attention_mask, or pass equal-length "
+                                     f"(padded) prompts with it (got lengths {[len(p) for p in prompts]})")
+                prompts, attention_mask = left_pad(prompts)
+            input_ids = to_backend(host.asarray(prompts, "int64", None), self.backend, device=self.device)
+        check_given(input_ids=input_ids)
+        namespace(input_ids=input_ids, params=self.params["embedding.weight"])
         if isinstance(attention_mask, (list, tuple)):
-            attention_mask = to_backend(load("numpy").asarray(attention_mask, "int64", None), self.backend,
-                                        device=self.device)
-        return ids, attention_mask
+            if input_ids.ndim != 2:
+                raise ValueError(f"input_ids: expected shape [b, l], got {tuple(input_ids.shape)}")
+            rows = check_mask_lists("attention_mask", attention_mask, tuple(input_ids.shape))
+            attention_mask = to_backend(host.asarray(rows, "int64", None), self.backend, device=self.device)
+        return input_ids, attention_mask
 
     def logits(self, input_ids: Any, attention_mask: Any = None) -> Array:
         """``input_ids [b, l]`` (array or nested list of ints; prompts of unequal length are
@@ -140,7 +153,8 @@ class Mamba2LM:
         if kind == "float32":
             return self
         return Mamba2LM(params, self.config, vocab_size=self.vocab_size, eos_token_id=self.eos_token_id,
-                        layout=self.layout, checkpoint_dtype=self.checkpoint_dtype)
+                        layout=self.layout, checkpoint_dtype=self.checkpoint_dtype,
+                        generation_config=self.generation_config)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes a :func:`portable_ssm.save_params` file that :func:`portable_ssm.load_pretrained` reads."""

@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any
 
 from ._array import Array, Namespace, dtype_name, is_traced
-from ._checks import Shapes
+from ._checks import Shapes, check_bool, check_given
 from .backends import fast_op
 from .config import Mamba2Config
 from .mixer import _linear, mixer, mixer_step
@@ -85,6 +85,8 @@ def logits(input_ids: Array, params: Params, *, config: Mamba2Config,
     (initial_state of batch n_seq) and out, as in :func:`portable_ssm.forward`.
     """
     xp = _check_lm(params, config)
+    check_given(input_ids=input_ids)
+    check_bool("return_state", return_state)
     check_backends("input_ids", input_ids, params, initial_state, "initial_state")
     shapes = _check_ids(input_ids, config, ("b", "l"), xp=xp)
     run = _sequence_mixer(seq_idx, shapes, "input_ids", input_ids, xp=xp, layer=layer, cu_seqlens=cu_seqlens)
@@ -106,6 +108,7 @@ def logits_step(token: Array, state: Mamba2State, params: Params, *, config: Mam
     states: row i reads and updates slot ``state_batch_indices[i]`` and the new pool is returned
     (:mod:`portable_ssm.state_pool`)."""
     xp = _check_lm(params, config)
+    check_given(token=token)
     check_backends("token", token, params, state)
     shapes = _check_ids(token, config, ("b",), xp=xp, name="token")
     if state_batch_indices is not None:

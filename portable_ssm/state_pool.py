@@ -67,9 +67,49 @@ def scatter_state(pool: Any, indices: Array, rows: Any, *, xp: Namespace) -> Any
                          ssm=tuple(scatter_rows(a, indices, r, xp=xp) for a, r in zip(pool.ssm, rows.ssm)))
 
 
+def _layers(name: str, state: Any) -> list[tuple[str, Array]]:
+    """``(label, array)`` for every layer of a Mamba2State, checked to be one (at least one layer)."""
+    from .model import Mamba2State  # model imports this module
+
+    if not isinstance(state, Mamba2State):
+        raise TypeError(f"{name}: expected a Mamba2State (from empty_state or lm.logits(..., return_state=True)), "
+                        f"got {type(state).__name__}")
+    if not isinstance(state.conv, tuple) or not isinstance(state.ssm, tuple) or not state.ssm:
+        raise TypeError(f"{name}: expected tuples of per-layer arrays in .conv and .ssm, got "
+                        f"{type(state.conv).__name__} and {type(state.ssm).__name__}")
+    return [(f"{name}.{kind}[{i}]", a) for kind in ("conv", "ssm") for i, a in enumerate(getattr(state, kind))]
+
+
+def check_state_fits(pool: Any, state: Any) -> Namespace:
+    """The namespace, after checking that ``state`` (batch b) can be written into ``pool``: both
+    Mamba2States of one backend and device, with the same layer count, and every layer of
+    ``state`` the pool's dtype and shape beyond the batch axis (d_conv, d_state, heads...);
+    every pool layer has the pool's slot count. TypeError/ValueError naming the layer."""
+    pool_layers, state_layers = _layers("pool", pool), _layers("state", state)
+    xp = namespace(**dict(pool_layers), **dict(state_layers))
+    for kind in ("conv", "ssm"):
+        if len(getattr(state, kind)) != len(getattr(pool, kind)):
+            raise ValueError(f"state.{kind}: expected {len(getattr(pool, kind))} layers (the pool's), "
+                             f"got {len(getattr(state, kind))}")
+    slots, batch = pool.ssm[0].shape[0], state.ssm[0].shape[0]
+    for (pool_label, p), (label, a) in zip(pool_layers, state_layers):
+        if p.shape[0] != slots:
+            raise ValueError(f"{pool_label}: expected {slots} slots like pool.ssm[0], got shape {tuple(p.shape)}")
+        if a.ndim != p.ndim or a.shape[0] != batch or tuple(a.shape[1:]) != tuple(p.shape[1:]):
+            raise ValueError(f"{label}: expected shape {(batch, *p.shape[1:])} ({pool_label} is "
+                             f"{tuple(p.shape)}, the state's batch {batch} from state.ssm[0]), got {tuple(a.shape)}")
+        if a.dtype != p.dtype:
+            raise TypeError(f"{label} is {dtype_name(a.dtype)} but {pool_label} is {dtype_name(p.dtype)}; "
+                            f"cast one of them explicitly")
+        check_same_device(label, a, pool_label, p)
+    return xp
+
+
 def write_state(pool: Any, slots: Array, state: Any) -> Any:
     """Public form of :func:`scatter_state`: ``state`` (batch b, e.g. a prefill's) written into the
-    pool's ``slots [b]``; a new pool, the old one untouched."""
-    xp = namespace(slots=slots, pool=pool.ssm[0])
+    pool's ``slots [b]`` (distinct integers in ``[0, pool)``); a new pool, the old one untouched.
+    TypeError/ValueError naming the argument for a state of another layer count, dtype, backend,
+    device or layer shape than the pool's (:func:`check_state_fits`), or bad slots."""
+    xp = check_state_fits(pool, state)
     check_state_batch_indices(slots, pool.ssm[0].shape[0], state.ssm[0].shape[0], "state", state.ssm[0], xp=xp)
     return scatter_state(pool, slots, state, xp=xp)

@@ -345,7 +345,12 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
     params = {k: to_backend(v, backend, device=device, dtype=dtype) for k, (v, _) in host.items()}
     layout = "transformers" if "hidden_size" in raw else "state-spaces"
     try:
-        return Mamba2LM(params, config, vocab_size=vocab, eos_token_id=eos, layout=layout, checkpoint_dtype=stored,
-                        generation_config=read_generation_config(path)).quantize(weights)
+        model = Mamba2LM(params, config, vocab_size=vocab, eos_token_id=eos, layout=layout, checkpoint_dtype=stored)
+    except ValueError as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
+    model.generation_config = read_generation_config(path, vocab_size=model.vocab_size,
+                                                     rows=config.padded_vocab_size)  # a CheckpointError naming it
+    try:
+        return model.quantize(weights)
     except ValueError as err:
         raise CheckpointError(f"{config_path}: {err}") from None
