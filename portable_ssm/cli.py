@@ -34,10 +34,11 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 from . import __version__
 from .backends import NAMES
+from .cli_args import ERROR_STATUS, Parser, count, nonempty_path, number
 from .host import retain_unless_disabled
 from .io import CheckpointError, load_pretrained
 from .io.atomic import replace_atomically
@@ -47,8 +48,6 @@ from .quantized import KINDS
 
 #: Parameter dtypes ``--dtype`` accepts (bfloat16 and float16 need a backend that has them).
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-#: Exit status of every reported error, as argparse uses for a bad option.
-ERROR_STATUS = 2
 #: Exit status of an error that is no bad input (a backend failure, out of memory, a bug).
 UNEXPECTED_STATUS = 1
 #: Exit status after Ctrl-C, as a shell reports SIGINT.
@@ -63,48 +62,6 @@ INSTALL = {"tokenizers": "pip install 'portable-ssm[cli]'", "torch": "pip instal
            "cupy": "pip install 'portable-ssm[cupy]'", "array_api_strict": "pip install array-api-strict",
            "tqdm": "pip install tqdm", "matplotlib": "pip install matplotlib",
            "transformers": "pip install transformers"}
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are the command line's one ``error:`` line, status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(ERROR_STATUS, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _count(low: int) -> Callable[[str], int]:
-    """An argparse type: an int ``>= low``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-    return parse
-
-
-def _number(low: float, high: float, *, low_open: bool) -> Callable[[str], float]:
-    """An argparse type: a finite float in ``[low, high]`` (``(low, high]`` when ``low_open``)."""
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {text!r}") from None
-        if not (low < value if low_open else low <= value) or not value <= high or not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected a number in {interval}, got {text}")
-        return value
-    return parse
-
-
-def _path(text: str) -> str:
-    """An argparse type: a non-empty path."""
-    if not text:
-        raise argparse.ArgumentTypeError("expected a path, got ''")
-    return text
 
 
 def _folder(path: str) -> str:
@@ -296,28 +253,29 @@ def _bench(argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``portable-ssm`` argument parser (one subcommand per action, each with --help)."""
-    parser = _Parser(prog="portable-ssm", description="Mamba-2 on any array backend.")
+    parser = Parser(prog="portable-ssm", description="Mamba-2 on any array backend.")
     parser.add_argument("--version", action="version", version=f"portable-ssm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = commands.add_parser("generate", help="generate text from a pretrained model, streamed to stdout",
                               description="Generate from a checkpoint directory or a save_params file.")
-    gen.add_argument("--model", required=True, type=_path, help="checkpoint directory (transformers or state-spaces) "
-                     "or a file written by portable-ssm convert")
+    gen.add_argument("--model", required=True, type=nonempty_path,
+                     help="checkpoint directory (transformers or state-spaces) or a file written by "
+                          "portable-ssm convert")
     gen.add_argument("--prompt", required=True,
                      help="text (with tokenizer.json next to the model) or integer ids '1 2 3'")
     gen.add_argument("--ids", action="store_true",
                      help="the prompt is integer token ids and the output is ids: no tokenizer is loaded "
                           "(no tokenizers package needed)")
-    gen.add_argument("--max-new-tokens", type=_count(0), default=32, help="tokens to add (default 32)")
-    gen.add_argument("--temperature", type=_number(0.0, math.inf, low_open=False), default=0.0,
+    gen.add_argument("--max-new-tokens", type=count(0), default=32, help="tokens to add (default 32)")
+    gen.add_argument("--temperature", type=number(0.0, math.inf, low_open=False), default=0.0,
                      help="0 is greedy (default); > 0 samples")
-    gen.add_argument("--top-k", type=_count(1), default=None,
+    gen.add_argument("--top-k", type=count(1), default=None,
                      help="sample among the k most likely tokens (with --temperature > 0)")
-    gen.add_argument("--top-p", type=_number(0.0, 1.0, low_open=True), default=None,
+    gen.add_argument("--top-p", type=number(0.0, 1.0, low_open=True), default=None,
                      help="sample in the nucleus of probability p in (0, 1] (with --temperature > 0)")
-    gen.add_argument("--seed", type=_count(0), default=None, help="seed of the sampling noise")
-    gen.add_argument("--eos-token-id", type=_count(-1), default=None,
+    gen.add_argument("--seed", type=count(0), default=None, help="seed of the sampling noise")
+    gen.add_argument("--eos-token-id", type=count(-1), default=None,
                      help="stop at this id (default: the checkpoint's eos_token_id; -1: never stop early)")
     _add_backend_args(gen)
     gen.add_argument("--device", default=None, help="device, e.g. cpu or cuda:0 (default: the backend's)")
@@ -330,15 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", help="print a checkpoint's config, parameter count and dtype",
                                description="Describe a checkpoint directory or a save_params file.")
-    info.add_argument("path", type=_path, help="checkpoint directory or save_params file")
+    info.add_argument("path", type=nonempty_path, help="checkpoint directory or save_params file")
 
     conv = commands.add_parser("convert", help="write a checkpoint as one safetensors file in core names",
                                description="Convert a transformers or state-spaces checkpoint to a "
                                            "portable_ssm safetensors file (checkpoint.save_params); the "
                                            f"tokenizer files ({', '.join(TOKENIZER_FILES)}) next to SRC are "
                                            "copied next to DST.")
-    conv.add_argument("src", type=_path, help="checkpoint directory or save_params file")
-    conv.add_argument("dst", type=_path, help="the .safetensors file to write (other suffixes are refused)")
+    conv.add_argument("src", type=nonempty_path, help="checkpoint directory or save_params file")
+    conv.add_argument("dst", type=nonempty_path, help="the .safetensors file to write (other suffixes are refused)")
     _add_backend_args(conv)
 
     commands.add_parser("build-kernels", help="build the CPU kernels now, not at the first call",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 from ._array import Array, Namespace, array_backend, compute_dtype, device, dtype_name, namespace
 from ._checks import Shapes, check_bool, check_floating, check_given, check_int, check_same_device, check_same_dtype
@@ -24,16 +24,9 @@ from .norm import rms_norm
 from .padding import padded_layer
 from .params import MIXER_LEAVES, Params, check_params, init_params
 from .ssm_inputs import check_seq_idx, sequence_runs
+from .state import Mamba2State
 from .state_pool import check_state_batch_indices, gather_state, scatter_state
 from .varlen import check_cu_seqlens
-
-
-class Mamba2State(NamedTuple):
-    """Per-layer inference state: ``conv[i] [b, conv_dim, d_conv]`` (x's dtype) and
-    ``ssm[i] [b, nheads, headdim, d_state]`` (compute dtype: float32, float64 for float64)."""
-
-    conv: tuple[Array, ...]
-    ssm: tuple[Array, ...]
 
 
 def empty_state(config: Mamba2Config, batch: int, like: Array) -> Mamba2State:

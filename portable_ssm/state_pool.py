@@ -13,6 +13,7 @@ from typing import Any
 
 from ._array import Array, Namespace, device, dtype_name, namespace
 from ._checks import check_same_device
+from .state import Mamba2State
 
 
 def check_state_batch_indices(indices: Array, pool: int, batch: int, ref_name: str, ref: Array, *,
@@ -69,8 +70,6 @@ def scatter_state(pool: Any, indices: Array, rows: Any, *, xp: Namespace) -> Any
 
 def _layers(name: str, state: Any) -> list[tuple[str, Array]]:
     """``(label, array)`` for every layer of a Mamba2State, checked to be one (at least one layer)."""
-    from .model import Mamba2State  # model imports this module
-
     if not isinstance(state, Mamba2State):
         raise TypeError(f"{name}: expected a Mamba2State (from empty_state or lm.logits(..., return_state=True)), "
                         f"got {type(state).__name__}")

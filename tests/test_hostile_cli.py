@@ -186,3 +186,17 @@ def test_random_option_values_exit_0_or_one_error_line_with_status_2(model_dir, 
         assert_one_error_line(err, "generate")
     else:
         assert err.count("\n") == 1 and "tokens in" in err, err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--repeats", "0"], "--repeats"), (["--threads", "-2"], "--threads"), (["--max-len", "x"], "--max-len"),
+    (["--out", ""], "--out"), (["--no-such-flag"], "--no-such-flag"), (["--clock", "sundial"], "--clock"),
+])
+def test_a_bad_bench_flag_is_one_line_naming_it_before_anything_runs(tmp_path, monkeypatch, capsys, argv, flag):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and flag in err, err
+    assert not any(tmp_path.iterdir())  # nothing ran, nothing was written
+

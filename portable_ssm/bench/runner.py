@@ -37,6 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..cli_args import Parser, count, nonempty_path
 from ..config import Mamba2Config
 from ..host import retain_unless_disabled
 from .calls import (
@@ -385,19 +386,19 @@ def _llama(args: argparse.Namespace, parts: tuple[str, ...], notes: list[str],
 
 def main(argv: list[str] | None = None) -> int:
     """``portable-ssm bench``: runs the parts asked for and writes RESULTS.md and scaling.png."""
-    parser = argparse.ArgumentParser(prog="portable-ssm bench", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="portable-ssm bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     parser.add_argument("--quick", action="store_true",
                         help=f"tiny shapes: a smoke run ({QUICK_NOTE}); never replaces a full run's "
                              "RESULTS.md without --overwrite")
-    parser.add_argument("--max-len", type=int, default=None, help="leave out lengths above this")
+    parser.add_argument("--max-len", type=count(1), default=None, help="leave out lengths above this")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma list (default: all installed)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per row after one warm-up")
-    parser.add_argument("--threads", type=int, default=None, help="threads for every library")
+    parser.add_argument("--repeats", type=count(1), default=5, help="timed calls per row after one warm-up")
+    parser.add_argument("--threads", type=count(1), default=None, help="threads for every library")
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                         help="wall time, or this process's CPU time (steadier on a shared machine; "
                              "meaningful with --threads 1 only)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+    parser.add_argument("--out", type=lambda text: Path(nonempty_path(text)), default=DEFAULT_OUT,
                         help=f"folder for RESULTS.md and scaling.png (default ./{DEFAULT_OUT}; the committed "
                              "results are written only with an explicit --out benchmarks)")
     parser.add_argument("--fresh-peak", action=argparse.BooleanOptionalAction, default=None,
