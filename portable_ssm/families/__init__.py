@@ -1,0 +1,19 @@
+"""One small module per hybrid family: read its ``config.json`` into a
+:class:`~portable_ssm.stack.HybridConfig` and map its weight names onto the stack's; nothing else.
+
+Each module has ``MODEL_TYPES`` (config.json's ``model_type`` values it reads), ``config(raw)``
+(a :class:`~portable_ssm.io.layouts._Keys` of config.json -> ``(HybridConfig, notes)``; an
+unsupported option raises CheckpointError naming the field) and ``rename(tensors, config)``
+(checkpoint names -> core names, packing or splitting where a family stores a block otherwise).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import bamba, granite_hybrid
+
+#: config.json's ``model_type`` -> the family module that reads it.
+FAMILIES: dict[str, ModuleType] = {t: m for m in (granite_hybrid, bamba) for t in m.MODEL_TYPES}
+
+__all__ = ["FAMILIES"]

@@ -1,0 +1,108 @@
+"""``HybridLM``: a hybrid model's parameters and :class:`~portable_ssm.stack.HybridConfig` with
+the language-model calls: logits, continued prefill and greedy generation with the KV cache.
+
+Ragged prompts arrive left-padded with ``attention_mask [b, l]`` (1 token, 0 padding); each row
+then gives what it gives alone: the Mamba layers skip its padding (:mod:`portable_ssm.padding`),
+the attention layers never see a padding slot, and RoPE counts the row's own tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._array import Array, Namespace, device, namespace
+from ._checks import Shapes, check_int
+from .lm import check_token_ids
+from .padding import check_attention_mask
+from .stack import HybridConfig, HybridState, check_room, embed_tokens, empty_hybrid_state, head, run_layers
+
+
+class HybridLM:
+    """A hybrid language model (loaded by :func:`portable_ssm.load_pretrained` from a Granite-4.0-H,
+    Bamba, ... folder). ``params``: core names (:mod:`portable_ssm.stack`), one backend and dtype."""
+
+    def __init__(self, params: dict[str, Array], config: HybridConfig, *, eos_token_id: Any = None,
+                 notes: tuple[str, ...] = ()) -> None:
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"config: expected a HybridConfig, got {type(config).__name__}")
+        self.params, self.config, self.eos_token_id, self.notes = params, config, eos_token_id, notes
+        first = params["embedding.weight"]
+        self._xp: Namespace = namespace(**{"params['embedding.weight']": first})
+
+    @property
+    def dtype(self) -> Any:
+        return self.params["embedding.weight"].dtype
+
+    def empty_state(self, batch: int, max_len: int) -> HybridState:
+        """A zero state for ``batch`` rows with KV caches of ``max_len`` tokens."""
+        check_int("batch", batch, minimum=1)
+        check_int("max_len", max_len, minimum=1)
+        return empty_hybrid_state(self.config, batch, max_len, self.params["embedding.weight"], xp=self._xp)
+
+    def _tokens(self, input_ids: Array, attention_mask: Array | None) -> tuple[Array, Array | None]:
+        """``(tokens [b, l] bool, pad [b] or None)`` after checking ids and mask at the door."""
+        xp = self._xp
+        namespace(input_ids=input_ids, **{"params['embedding.weight']": self.params["embedding.weight"]})
+        shapes = Shapes()
+        shapes.check("input_ids", input_ids, ("b", "l"))
+        check_token_ids("input_ids", input_ids, self.config.vocab_size, xp=xp)
+        b, l = input_ids.shape
+        pad = None if attention_mask is None else check_attention_mask(attention_mask, shapes, "input_ids",
+                                                                       input_ids, xp=xp)
+        slot = xp.arange(l, dtype=xp.int64, device=device(input_ids))
+        tokens = (slot[None, :] >= (xp.zeros((b,), dtype=xp.int64, device=device(input_ids)) if pad is None
+                                    else pad)[:, None])  # [b, l]
+        return tokens, pad
+
+    def prefill(self, input_ids: Array, *, attention_mask: Array | None = None, state: HybridState | None = None,
+                max_len: int | None = None) -> tuple[Array, HybridState]:
+        """``input_ids [b, l]`` through the stack: ``(logits [b, l, V], state)``. Without ``state``
+        a fresh one of ``max_len`` (default l) slots; with it, these tokens continue it."""
+        tokens, pad = self._tokens(input_ids, attention_mask)
+        b, l = input_ids.shape
+        if state is None:
+            state = self.empty_state(b, l if max_len is None else max_len)
+        elif not isinstance(state, HybridState):
+            raise TypeError(f"state: expected a HybridState, got {type(state).__name__}")
+        check_room(state, l)
+        x = embed_tokens(input_ids, self.params, self.config, xp=self._xp)
+        hidden, state = run_layers(x, self.params, self.config, state, tokens, pad, xp=self._xp)
+        return head(hidden, self.params, self.config, xp=self._xp), state
+
+    def logits(self, input_ids: Array, *, attention_mask: Array | None = None) -> Array:
+        """``input_ids [b, l]`` -> ``logits [b, l, V]`` (transformers' ``model(ids).logits``)."""
+        return self.prefill(input_ids, attention_mask=attention_mask)[0]
+
+    def step(self, token: Array, state: HybridState) -> tuple[Array, HybridState]:
+        """One token per row ``token [b]`` after ``state``: ``(logits [b, V], new state)``."""
+        xp = self._xp
+        if not isinstance(state, HybridState):
+            raise TypeError(f"state: expected a HybridState, got {type(state).__name__}")
+        namespace(token=token, **{"params['embedding.weight']": self.params["embedding.weight"]})
+        Shapes(b=state.positions.valid.shape[0]).check("token", token, ("b",))
+        check_token_ids("token", token, self.config.vocab_size, xp=xp)
+        check_room(state, 1)
+        tokens = xp.ones((token.shape[0], 1), dtype=xp.bool, device=device(token))
+        x = embed_tokens(token, self.params, self.config, xp=xp)
+        hidden, state = run_layers(x, self.params, self.config, state, tokens, None, xp=xp, one_token=True)
+        return head(hidden, self.params, self.config, xp=xp), state
+
+    def generate(self, input_ids: Array, *, max_new_tokens: int, attention_mask: Array | None = None,
+                 state: HybridState | None = None, return_state: bool = False) -> Array | tuple[Array, HybridState]:
+        """Greedy continuation ``[b, max_new_tokens]`` of ``input_ids [b, l]`` (left-padded rows with
+        ``attention_mask``), one-token steps on the KV cache after one prefill; with ``state`` (from
+        an earlier ``return_state=True``) the prompt continues it."""
+        check_int("max_new_tokens", max_new_tokens, minimum=1)
+        xp = self._xp
+        b, l = input_ids.shape if getattr(input_ids, "ndim", 0) == 2 else (0, 0)
+        if state is None:
+            state = self.empty_state(max(b, 1), l + max_new_tokens)
+        logits, state = self.prefill(input_ids, attention_mask=attention_mask, state=state)
+        token = xp.argmax(logits[:, -1, :], axis=-1)
+        out = [token]
+        for _ in range(max_new_tokens - 1):
+            logits, state = self.step(token, state)
+            token = xp.argmax(logits, axis=-1)
+            out.append(token)
+        ids = xp.stack(out, axis=1)  # [b, max_new_tokens]
+        return (ids, state) if return_state else ids

@@ -1,0 +1,144 @@
+"""Hybrid families against transformers: tiny random models built at test time (no network),
+saved with save_pretrained, loaded with load_pretrained on every backend, and held to
+transformers' logits (float32, rel err < 1e-4), greedy tokens, cached steps and ragged rows."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import portable_ssm
+from portable_ssm.io import CheckpointError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8)
+COMMON = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+              eos_token_id=None, bos_token_id=None)
+
+
+def _granite(experts: int, rope: str | None) -> tuple:
+    return transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM, dict(
+        COMMON, **MAMBA, intermediate_size=16, shared_intermediate_size=24, num_hidden_layers=3,
+        num_local_experts=experts, num_experts_per_tok=2, position_embedding_type=rope, mamba_n_groups=2,
+        layer_types=["mamba", "attention", "mamba"], attention_multiplier=0.3, residual_multiplier=0.7,
+        embedding_multiplier=2.0, logits_scaling=3.0)
+
+
+def _bamba() -> tuple:
+    return transformers.BambaConfig, transformers.BambaForCausalLM, dict(
+        COMMON, **MAMBA, intermediate_size=48, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_groups=2)
+
+
+FAMILIES = {"granite_moe_rope": lambda: _granite(4, "rope"), "granite_dense_nope": lambda: _granite(0, None),
+            "bamba": _bamba}
+PROMPT, SHORT, NEW = 9, 5, 5
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def case(request, tmp_path_factory):
+    """A saved tiny model with transformers' outputs: full logits, a row alone, greedy tokens."""
+    config_cls, model_cls, kwargs = FAMILIES[request.param]()
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kwargs)).eval()
+    for param in model.parameters():  # the init leaves norms at one and D at one: vary them
+        if param.ndim == 1:
+            param.data = param.data + 0.1 * torch.randn_like(param)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    ids = torch.randint(1, 64, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids).logits.numpy()
+        alone = model(ids[1:, PROMPT - SHORT:]).logits.numpy()[0]
+        tokens = [model.generate(ids[i:i + 1, start:], max_new_tokens=NEW, do_sample=False)[0, PROMPT - start:].numpy()
+                  for i, start in ((0, 0), (1, PROMPT - SHORT))]
+    return dict(name=request.param, folder=str(folder), ids=ids.numpy(), full=full, alone=alone, tokens=tokens)
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def _load(xp, case):
+    return portable_ssm.load_pretrained(case["folder"], backend=xp.name, device=xp.device)
+
+
+def test_logits_match_transformers(xp, case):
+    lm = _load(xp, case)
+    got = lm.logits(xp.asarray_from(case["ids"], "int64"))
+    assert got.dtype == xp.float32 and tuple(got.shape) == case["full"].shape
+    assert _rel(xp.numpy(got), case["full"]) < 1e-4
+
+
+def test_prefill_then_one_token_steps_match_the_whole_sequence(xp, case):
+    lm = _load(xp, case)
+    ids = xp.asarray_from(case["ids"], "int64")
+    first, state = lm.prefill(ids[:, :4], max_len=PROMPT)
+    second, state = lm.prefill(ids[:, 4:6], state=state)
+    steps = [xp.numpy(first), xp.numpy(second)]
+    for t in range(6, PROMPT):
+        logits, state = lm.step(ids[:, t], state)
+        steps.append(xp.numpy(logits)[:, None, :])
+    assert _rel(np.concatenate(steps, axis=1), case["full"]) < 1e-4
+    with pytest.raises(ValueError, match="max_len"):
+        lm.step(ids[:, 0], state)
+
+
+def _ragged(xp, case):
+    ids = case["ids"].copy()
+    mask = np.ones_like(ids)
+    mask[1, :PROMPT - SHORT] = 0
+    ids[1, :PROMPT - SHORT] = 0
+    return xp.asarray_from(ids, "int64"), xp.asarray_from(mask, "int64")
+
+
+def test_left_padded_rows_give_what_each_row_gives_alone(xp, case):
+    lm = _load(xp, case)
+    ids, mask = _ragged(xp, case)
+    got = xp.numpy(lm.logits(ids, attention_mask=mask))
+    assert _rel(got[1, PROMPT - SHORT:], case["alone"]) < 1e-4
+    assert _rel(got[0], case["full"][0]) < 1e-4
+    assert np.isfinite(got).all()
+
+
+def test_greedy_generation_is_token_equal_to_transformers_for_ragged_rows(xp, case):
+    lm = _load(xp, case)
+    ids, mask = _ragged(xp, case)
+    got = xp.numpy(lm.generate(ids, max_new_tokens=NEW, attention_mask=mask))
+    np.testing.assert_array_equal(got, np.stack(case["tokens"]))
+
+
+def test_generation_continues_from_a_returned_state(xp, case):
+    lm = _load(xp, case)
+    ids = xp.asarray_from(case["ids"][:1], "int64")
+    first, state = lm.generate(ids[:, :PROMPT - 2], max_new_tokens=1, return_state=True,
+                               state=lm.empty_state(1, PROMPT + NEW))
+    logits, _ = lm.prefill(ids[:, PROMPT - 2:], state=state)
+    assert _rel(xp.numpy(logits)[0], case["full"][0, PROMPT - 2:]) < 1e-4
+
+
+def _edited(case, tmp_path, **changes):
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    with open(f"{case['folder']}/config.json") as f:
+        raw = json.load(f)
+    raw.update(changes)
+    (folder / "config.json").write_text(json.dumps(raw))
+    (folder / "model.safetensors").symlink_to(f"{case['folder']}/model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize("field,value", [("hidden_act", "gelu"), ("rope_parameters", {"rope_type": "yarn"}),
+                                         ("mamba_n_heads", 3), ("layer_types", ["mamba"])])
+def test_unsupported_config_options_are_refused_naming_the_field(case, tmp_path, field, value):
+    if field == "layer_types" and case["name"] == "bamba":
+        field, value = "attn_layer_indices", [7]
+    if field == "rope_parameters" and case["name"] == "granite_dense_nope":  # no RoPE: its parameters unread
+        field, value = "position_embedding_type", "alibi"
+    folder = _edited(case, tmp_path, **{field: value})
+    with pytest.raises(CheckpointError, match=field.split("_")[0]) as err:
+        portable_ssm.load_pretrained(folder)
+    assert "config.json" in str(err.value)
