@@ -49,6 +49,7 @@ class HybridConfig:
     shared_expert: bool = False  # a MoE layer adds an MLP (the ``mlp`` spec) on the same input
     d_ff: int = 0  # f of the MLP (and shared expert)
     d_expert: int = 0  # f of each routed expert
+    d_shared: int = 0  # f of the shared expert (0: d_ff)
     norm_eps: float = 1e-6
     embedding_multiplier: float = 1.0  # on the token embeddings
     residual_multiplier: float = 1.0  # on every block's output before the residual add
@@ -207,11 +208,14 @@ def param_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"layers.{i}.ffn_norm.weight"] = (d,)
         if ffn == "mlp" or (ffn == "moe" and config.shared_expert):
             pre = f"layers.{i}.ffn." + ("shared." if ffn == "moe" else "")
-            shapes[pre + "up.weight"] = ((2 if config.mlp.gated else 1) * config.d_ff, d)  # [2f or f, d]
-            shapes[pre + "down.weight"] = (d, config.d_ff)
+            f = config.d_shared or config.d_ff if ffn == "moe" else config.d_ff
+            shapes[pre + "up.weight"] = ((2 if config.mlp.gated else 1) * f, d)  # [2f or f, d]
+            shapes[pre + "down.weight"] = (d, f)
         if ffn == "moe":
             e, f = config.moe.experts, config.d_expert
             shapes[f"layers.{i}.ffn.router.weight"] = (e, d)
+            if config.moe.router == "sigmoid":
+                shapes[f"layers.{i}.ffn.router.bias"] = (e,)
             shapes[f"layers.{i}.ffn.experts.up.weight"] = (e, (2 if config.moe.mlp.gated else 1) * f, d)
             shapes[f"layers.{i}.ffn.experts.down.weight"] = (e, d, f)
     return shapes

@@ -33,8 +33,26 @@ def _bamba() -> tuple:
         COMMON, **MAMBA, intermediate_size=48, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_groups=2)
 
 
+def _nemotron_h() -> tuple:
+    return transformers.NemotronHConfig, transformers.NemotronHForCausalLM, dict(
+        COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention"],
+        head_dim=8, intermediate_size=40, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2,
+        chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+        moe_shared_expert_intermediate_size=20, routed_scaling_factor=1.7)
+
+
 FAMILIES = {"granite_moe_rope": lambda: _granite(4, "rope"), "granite_dense_nope": lambda: _granite(0, None),
-            "bamba": _bamba}
+            "bamba": _bamba, "nemotron_h": _nemotron_h}
+#: Per family: config.json edits each refused with a CheckpointError naming the field.
+REFUSALS = {
+    "granite_moe_rope": [("hidden_act", "gelu"), ("rope_parameters", {"rope_type": "yarn"}), ("mamba_n_heads", 3),
+                         ("layer_types", ["mamba"])],
+    "granite_dense_nope": [("hidden_act", "gelu"), ("position_embedding_type", "alibi"), ("mamba_n_heads", 3)],
+    "bamba": [("hidden_act", "gelu"), ("rope_parameters", {"rope_type": "yarn"}), ("attn_layer_indices", [7]),
+              ("mlp_bias", True)],
+    "nemotron_h": [("mlp_hidden_act", "gelu"), ("moe_latent_size", 16), ("n_group", 2), ("mamba_num_heads", 3),
+                   ("layers_block_type", ["mamba", "ssm"]), ("num_nextn_predict_layers", 1)],
+}
 PROMPT, SHORT, NEW = 9, 5, 5
 
 
@@ -47,6 +65,9 @@ def case(request, tmp_path_factory):
     for param in model.parameters():  # the init leaves norms at one and D at one: vary them
         if param.ndim == 1:
             param.data = param.data + 0.1 * torch.randn_like(param)
+    for module in model.modules():  # a router bias of zeros would not show whether it is applied
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.data = 0.3 * torch.randn_like(module.e_score_correction_bias)
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     ids = torch.randint(1, 64, (2, PROMPT), generator=torch.Generator().manual_seed(1))
@@ -122,7 +143,7 @@ def test_generation_continues_from_a_returned_state(xp, case):
 
 def _edited(case, tmp_path, **changes):
     folder = tmp_path / "edited"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     with open(f"{case['folder']}/config.json") as f:
         raw = json.load(f)
     raw.update(changes)
@@ -131,14 +152,9 @@ def _edited(case, tmp_path, **changes):
     return folder
 
 
-@pytest.mark.parametrize("field,value", [("hidden_act", "gelu"), ("rope_parameters", {"rope_type": "yarn"}),
-                                         ("mamba_n_heads", 3), ("layer_types", ["mamba"])])
-def test_unsupported_config_options_are_refused_naming_the_field(case, tmp_path, field, value):
-    if field == "layer_types" and case["name"] == "bamba":
-        field, value = "attn_layer_indices", [7]
-    if field == "rope_parameters" and case["name"] == "granite_dense_nope":  # no RoPE: its parameters unread
-        field, value = "position_embedding_type", "alibi"
-    folder = _edited(case, tmp_path, **{field: value})
-    with pytest.raises(CheckpointError, match=field.split("_")[0]) as err:
-        portable_ssm.load_pretrained(folder)
-    assert "config.json" in str(err.value)
+def test_unsupported_config_options_are_refused_naming_the_field(case, tmp_path):
+    for n, (field, value) in enumerate(REFUSALS[case["name"]]):
+        folder = _edited(case, tmp_path / str(n), **{field: value})
+        with pytest.raises(CheckpointError, match=field) as err:
+            portable_ssm.load_pretrained(folder)
+        assert "config.json" in str(err.value)
