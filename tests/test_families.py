@@ -158,3 +158,25 @@ def test_unsupported_config_options_are_refused_naming_the_field(case, tmp_path)
         with pytest.raises(CheckpointError, match=field) as err:
             portable_ssm.load_pretrained(folder)
         assert "config.json" in str(err.value)
+
+
+def test_mamba2_with_many_groups_uses_the_per_group_gated_norm_as_transformers(xp, tmp_path):
+    """Codestral-shaped (n_groups = 8): transformers 5.25's Mamba2RMSNormGated normalises each of
+    the n_groups slices alone, as mamba_ssm's RMSNormGated(group_size=d_ssm/ngroups) does; the
+    loader applies that (Mamba2Config.ngroups drives the gated norm)."""
+    torch.manual_seed(0)
+    cfg = transformers.Mamba2Config(vocab_size=40, hidden_size=32, num_hidden_layers=2, state_size=8, head_dim=8,
+                                    num_heads=8, n_groups=8, chunk_size=8, eos_token_id=None, bos_token_id=None,
+                                    pad_token_id=None)
+    model = transformers.Mamba2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 40, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(ids).logits.numpy()
+    lm = portable_ssm.load_pretrained(tmp_path, backend=xp.name, device=xp.device)
+    assert lm.config.ngroups == 8
+    got = xp.numpy(lm.logits(xp.asarray_from(ids.numpy(), "int64")))
+    assert _rel(got, want) < 1e-4
