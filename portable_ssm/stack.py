@@ -1,8 +1,9 @@
 """The hybrid stack: a per-layer kind list drives one pre-norm residual stack over Mamba-2,
 attention, MLP and MoE blocks, with one state holding every layer's conv, SSM and KV caches.
 
-A layer is ``(mixer, ffn)``: mixer ``"mamba" | "attention" | None`` then ffn ``"mlp" | "moe" |
-None``, each behind its own RMSNorm and residual add (``residual + multiplier·block(norm(h))``).
+A layer is ``(mixer, ffn)``: mixer ``"mamba" | "attention" | "parallel" | None`` then ffn ``"mlp"
+| "moe" | None``, each behind its own RMSNorm and residual add (``residual +
+multiplier·block(norm(h))``); ``"parallel"`` (Falcon-H1) adds Mamba-2 and attention of one input.
 Granite-4.0-H and Bamba layers are ``(mamba or attention, mlp or moe)``; Nemotron-H's are one
 block each (``("mamba", None)``, ``(None, "mlp")``...). Parameters, in core names::
 
@@ -10,11 +11,14 @@ block each (``("mamba", None)``, ``(None, "mlp")``...). Parameters, in core name
     norm_f.weight [d]                  layers.{i}.ffn_norm.weight [d]     layers.{i}.ffn.<leaf>
     lm_head.weight [V, d] (untied)
 
-Mamba leaves are :mod:`portable_ssm.mixer`'s (one :class:`~portable_ssm.Mamba2Config` with
-``n_layer=1`` describes every Mamba layer), attention's ``q_proj/k_proj/v_proj/o_proj.weight``,
-an MLP's ``up/down.weight``, a MoE's ``router.weight``, ``experts.up/down.weight`` and, with a
-shared expert, ``shared.up/down.weight``. The pure Mamba-2 model does not run through here: its
-stack (:mod:`portable_ssm.model`) keeps its whole-model decode kernel.
+Mamba leaves are :mod:`portable_ssm.mixer`'s: one :class:`~portable_ssm.Mamba2Config` with
+``n_layer=1`` describes every Mamba layer's SSM channels (its ``d_model`` is the SSM width and
+``expand`` 1, so the width need not be a multiple of the stack's d_model; in_proj reads and
+out_proj writes the stack's d_model), attention's ``q_proj/k_proj/v_proj/o_proj.weight``,
+a parallel mixer's under ``mamba.`` and ``attention.``, an MLP's ``up/down.weight``, a MoE's
+``router.weight``, ``experts.up/down.weight`` and, with a shared expert, ``shared.up/down.weight``.
+The pure Mamba-2 model does not run through here: its stack (:mod:`portable_ssm.model`) keeps
+its whole-model decode kernel.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .mixer import _linear, mixer, mixer_step
 from .norm import rms_norm
 from .params import param_shapes as mamba_shapes
 
-MIXERS = ("mamba", "attention", None)
+MIXERS = ("mamba", "attention", "parallel", None)
 FFNS = ("mlp", "moe", None)
 
 
@@ -42,7 +46,7 @@ class HybridConfig:
     d_model: int
     vocab_size: int
     layers: tuple[tuple[str | None, str | None], ...]  # (mixer, ffn) per layer
-    mamba: Mamba2Config | None = None  # n_layer=1: every Mamba layer's shapes
+    mamba: Mamba2Config | None = None  # n_layer=1, d_model = SSM width, expand=1: every Mamba layer's shapes
     attention: AttentionSpec | None = None
     mlp: MLPSpec | None = None
     moe: MoESpec | None = None
@@ -69,17 +73,20 @@ class HybridConfig:
                     raise ValueError(f"HybridConfig.{kind}: layer {i} is {kind!r}, so its spec is required")
         if self.shared_expert and self.mlp is None:
             raise ValueError("HybridConfig.mlp: shared_expert needs the shared MLP's spec")
-        if self.mamba is not None and (self.mamba.n_layer != 1 or self.mamba.d_model != self.d_model):
-            raise ValueError(f"HybridConfig.mamba: expected n_layer=1 and d_model={self.d_model}, got "
-                             f"n_layer={self.mamba.n_layer}, d_model={self.mamba.d_model}")
+        if self.mamba is not None and (self.mamba.n_layer != 1 or self.mamba.expand != 1 or self.mamba.d_mlp):
+            raise ValueError(f"HybridConfig.mamba: expected n_layer=1, expand=1 (d_model = the SSM width) and no "
+                             f"d_ssm, got n_layer={self.mamba.n_layer}, expand={self.mamba.expand}")
+        for kind, spec in (("mamba", self.mamba), ("attention", self.attention)):
+            if spec is None and any(m == "parallel" for m, _ in self.layers):
+                raise ValueError(f"HybridConfig.{kind}: a 'parallel' layer needs it")
 
     @property
     def n_layer(self) -> int:
         return len(self.layers)
 
     def indices(self, kind: str) -> tuple[int, ...]:
-        """The layers whose mixer is ``kind``."""
-        return tuple(i for i, (m, _) in enumerate(self.layers) if m == kind)
+        """The layers that hold a ``kind`` ("mamba" or "attention") block, parallel ones included."""
+        return tuple(i for i, (m, _) in enumerate(self.layers) if m in (kind, "parallel"))
 
 
 class HybridState(NamedTuple):
@@ -140,19 +147,23 @@ def run_layers(x: Array, params: dict[str, Array], config: HybridConfig, state: 
         if mix is not None:
             p = _sub(params, f"layers.{i}.mixer.")
             normed = rms_norm(hidden, params[f"layers.{i}.mixer_norm.weight"], config.norm_eps, xp=xp)
-            if mix == "mamba":
+            out = None
+            if mix in ("mamba", "parallel"):
                 j = mamba_at[i]
+                mp = _sub(p, "mamba.") if mix == "parallel" else p
                 if one_token:
-                    out, convs[j], ssms[j] = mixer_step(normed, p, config.mamba, convs[j], ssms[j], xp=xp)
+                    out, convs[j], ssms[j] = mixer_step(normed, mp, config.mamba, convs[j], ssms[j], xp=xp)
                 else:
                     extra = {} if pad is None else {"pad": pad}
-                    out, convs[j], ssms[j] = mixer(normed, p, config.mamba, convs[j], ssms[j], xp=xp, **extra)
-            else:
+                    out, convs[j], ssms[j] = mixer(normed, mp, config.mamba, convs[j], ssms[j], xp=xp, **extra)
+            if mix in ("attention", "parallel"):
                 j = attn_at[i]
+                ap = _sub(p, "attention.") if mix == "parallel" else p
                 seq = normed[:, None, :] if one_token else normed  # [b, d] -> [b, 1, d]
-                out, kvs[j] = attention(seq, p, config.attention, kvs[j], state.positions.length, positions.valid,
+                att, kvs[j] = attention(seq, ap, config.attention, kvs[j], state.positions.length, positions.valid,
                                         rope_pos, xp=xp)
-                out = out[:, 0, :] if one_token else out
+                att = att[:, 0, :] if one_token else att
+                out = att if out is None else out + att
             hidden = hidden + out * config.residual_multiplier
         if ffn is not None:
             normed = rms_norm(hidden, params[f"layers.{i}.ffn_norm.weight"], config.norm_eps, xp=xp)
@@ -192,16 +203,24 @@ def param_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, d)
     for i, (mix, ffn) in enumerate(config.layers):
-        if mix == "mamba":
-            shapes.update({f"layers.{i}.mixer.{k[len('layers.0.mixer.'):]}": v
-                           for k, v in mamba_shapes(config.mamba).items() if k.startswith("layers.0.mixer.")})
-        elif mix == "attention":
+        pre = f"layers.{i}.mixer." + ("mamba." if mix == "parallel" else "")
+        if mix in ("mamba", "parallel"):
+            for k, v in mamba_shapes(config.mamba).items():
+                if k.startswith("layers.0.mixer."):
+                    leaf = k[len("layers.0.mixer."):]
+                    if leaf == "in_proj.weight":  # in_proj reads, out_proj writes the stack's d_model
+                        v = (v[0], d)
+                    elif leaf.startswith("out_proj."):
+                        v = (d, *v[1:])
+                    shapes[pre + leaf] = v
+        pre = f"layers.{i}.mixer." + ("attention." if mix == "parallel" else "")
+        if mix in ("attention", "parallel"):
             a = config.attention
             q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
             for name, shape in (("q_proj", (q, d)), ("k_proj", (kv, d)), ("v_proj", (kv, d)), ("o_proj", (d, q))):
-                shapes[f"layers.{i}.mixer.{name}.weight"] = shape
+                shapes[f"{pre}{name}.weight"] = shape
                 if a.bias:
-                    shapes[f"layers.{i}.mixer.{name}.bias"] = (shape[0],)
+                    shapes[f"{pre}{name}.bias"] = (shape[0],)
         if mix is not None:
             shapes[f"layers.{i}.mixer_norm.weight"] = (d,)
         if ffn is not None:

@@ -34,9 +34,10 @@ def _bamba() -> tuple:
 
 
 def _nemotron_h() -> tuple:
+    # an SSM width of 48 = 1.5 x hidden_size, as Nemotron-Nano-9B-v2 has 10240 = 2.29 x 4480
     return transformers.NemotronHConfig, transformers.NemotronHForCausalLM, dict(
         COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention"],
-        head_dim=8, intermediate_size=40, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2,
+        head_dim=8, intermediate_size=40, mamba_num_heads=3, mamba_head_dim=16, ssm_state_size=8, n_groups=3,
         chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
         moe_shared_expert_intermediate_size=20, routed_scaling_factor=1.7)
 
@@ -50,7 +51,7 @@ REFUSALS = {
     "granite_dense_nope": [("hidden_act", "gelu"), ("position_embedding_type", "alibi"), ("mamba_n_heads", 3)],
     "bamba": [("hidden_act", "gelu"), ("rope_parameters", {"rope_type": "yarn"}), ("attn_layer_indices", [7]),
               ("mlp_bias", True)],
-    "nemotron_h": [("mlp_hidden_act", "gelu"), ("moe_latent_size", 16), ("n_group", 2), ("mamba_num_heads", 3),
+    "nemotron_h": [("mlp_hidden_act", "gelu"), ("moe_latent_size", 16), ("n_group", 2), ("mamba_hidden_act", "gelu"),
                    ("layers_block_type", ["mamba", "ssm"]), ("num_nextn_predict_layers", 1)],
 }
 PROMPT, SHORT, NEW = 9, 5, 5

@@ -73,17 +73,19 @@ def mamba_config(raw: Any, d_model: int, eps: float) -> Mamba2Config:
     if heads * head_dim != expand * d_model:
         raise CheckpointError(f"mamba_n_heads: mamba_n_heads * mamba_d_head = {heads * head_dim} must equal "
                               f"mamba_expand * hidden_size = {expand * d_model}")
-    return mamba_config_fields(d_model, eps, d_state=raw.int("mamba_d_state", 256), d_conv=raw.int("mamba_d_conv", 4),
-                               expand=expand, headdim=head_dim, ngroups=raw.int("mamba_n_groups", 1),
+    return mamba_config_fields(heads * head_dim, eps, d_state=raw.int("mamba_d_state", 256),
+                               d_conv=raw.int("mamba_d_conv", 4), headdim=head_dim,
+                               ngroups=raw.int("mamba_n_groups", 1),
                                chunk_size=raw.int("mamba_chunk_size", 256),
                                dt_limit=raw.pair("time_step_limit", (0.0, float("inf"))),
                                conv_bias=raw.bool("mamba_conv_bias", True), bias=raw.bool("mamba_proj_bias", False))
 
 
-def mamba_config_fields(d_model: int, eps: float, **fields: Any) -> Mamba2Config:
-    """One Mamba layer's :class:`Mamba2Config` (``n_layer=1``, no vocabulary, the gated norm's
-    ``eps``); its ValueError (the field named) as a CheckpointError."""
+def mamba_config_fields(width: int, eps: float, **fields: Any) -> Mamba2Config:
+    """One Mamba layer's :class:`Mamba2Config` as :class:`~portable_ssm.stack.HybridConfig` wants
+    it: ``d_model`` = the SSM ``width`` (heads · head_dim), ``expand`` 1, ``n_layer`` 1, no
+    vocabulary, the gated norm's ``eps``; its ValueError (the field named) as a CheckpointError."""
     try:
-        return Mamba2Config(d_model=d_model, n_layer=1, norm_eps=eps, vocab_size=None, **fields)
+        return Mamba2Config(d_model=width, expand=1, n_layer=1, norm_eps=eps, vocab_size=None, **fields)
     except (ValueError, TypeError) as err:
         raise CheckpointError(str(err)) from None

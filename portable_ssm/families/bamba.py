@@ -54,7 +54,7 @@ def config(raw: Any) -> tuple[HybridConfig, tuple[str, ...]]:
     return cfg, ("Mamba mixer: rmsnorm(y * silu(z)) per group (transformers' BambaRMSNormGated)",)
 
 
-def rename(tensors: dict[str, Any], cfg: HybridConfig) -> dict[str, Any]:
+def rename(tensors: dict[str, Any], cfg: HybridConfig, raw: Any = None) -> dict[str, Any]:
     """Checkpoint names -> core names, ``gate_proj`` and ``up_proj`` packed as ``ffn.up.weight [2f, d]``."""
     out = apply_rules(tensors, _RULES)
     for i in range(cfg.n_layer):

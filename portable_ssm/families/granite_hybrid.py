@@ -55,7 +55,7 @@ def config(raw: Any) -> tuple[HybridConfig, tuple[str, ...]]:
     return cfg, ("Mamba mixer: rmsnorm(y * silu(z)) per group (transformers' GraniteMoeHybridRMSNormGated)",)
 
 
-def rename(tensors: dict[str, Any], cfg: HybridConfig) -> dict[str, Any]:
+def rename(tensors: dict[str, Any], cfg: HybridConfig, raw: Any = None) -> dict[str, Any]:
     """Checkpoint names -> core names; the shared MLP is ``ffn.up/down`` (dense) or ``ffn.shared.*`` (MoE)."""
     shared = "shared." if cfg.moe is not None else ""
     rules = _RULES + ((r"model\.layers\.(\d+)\.shared_mlp\.input_linear\.weight", rf"layers.\1.ffn.{shared}up.weight"),

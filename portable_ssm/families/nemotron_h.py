@@ -59,10 +59,7 @@ def config(raw: Any) -> tuple[HybridConfig, tuple[str, ...]]:
         raise CheckpointError(f"n_group: grouped expert routing (n_group {n_group}, topk_group {topk_group}) is not "
                               f"supported; only n_group == topk_group (every group eligible)")
     width = raw.int("mamba_num_heads", 128) * raw.int("mamba_head_dim", 64)
-    if width % d:
-        raise CheckpointError(f"mamba_num_heads: the SSM width mamba_num_heads * mamba_head_dim = {width} must be a "
-                              f"multiple of hidden_size = {d} here")
-    mamba = mamba_config_fields(d, raw.float("layer_norm_epsilon", 1e-5), expand=width // d,
+    mamba = mamba_config_fields(width, raw.float("layer_norm_epsilon", 1e-5),
                                 headdim=raw.int("mamba_head_dim", 64), d_state=raw.int("ssm_state_size", 128),
                                 d_conv=raw.int("conv_kernel", 4), ngroups=raw.int("n_groups", 8),
                                 chunk_size=raw.int("chunk_size", 128),
@@ -86,7 +83,7 @@ def config(raw: Any) -> tuple[HybridConfig, tuple[str, ...]]:
                  "(transformers' NemotronHRMSNormGated)",)
 
 
-def rename(tensors: dict[str, Any], cfg: HybridConfig) -> dict[str, Any]:
+def rename(tensors: dict[str, Any], cfg: HybridConfig, raw: Any = None) -> dict[str, Any]:
     """Checkpoint names -> core names: each layer's one norm goes to its block, experts are stacked."""
     out = apply_rules(tensors, _RULES)
     for i, (mix, ffn) in enumerate(cfg.layers):

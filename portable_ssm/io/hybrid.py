@@ -31,8 +31,9 @@ def load_hybrid(path: str, raw: dict[str, Any], *, backend: str, dtype: str | No
 
     config_path = os.path.join(path, "config.json")
     family = FAMILIES[raw["model_type"]]
+    keys = _Keys(raw)
     try:
-        config, notes = family.config(_Keys(raw))
+        config, notes = family.config(keys)
     except (CheckpointError, ValueError, TypeError) as err:
         raise CheckpointError(f"{config_path}: {err}") from None
     shapes = param_shapes(config)
@@ -46,7 +47,7 @@ def load_hybrid(path: str, raw: dict[str, Any], *, backend: str, dtype: str | No
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     try:
-        core = family.rename(tensors, config)
+        core = family.rename(tensors, config, keys)
     except CheckpointError as err:
         raise CheckpointError(f"{path}: {err}") from None
     for name, shape in shapes.items():
