@@ -69,7 +69,7 @@ class HybridConfig:
                 raise ValueError(f"HybridConfig.layers[{i}]: expected (mixer in {MIXERS}, ffn in {FFNS}), not both "
                                  f"None, got {kinds!r}")
             for kind in kinds:
-                if kind is not None and need[kind] is None:
+                if kind in need and need[kind] is None:
                     raise ValueError(f"HybridConfig.{kind}: layer {i} is {kind!r}, so its spec is required")
         if self.shared_expert and self.mlp is None:
             raise ValueError("HybridConfig.mlp: shared_expert needs the shared MLP's spec")

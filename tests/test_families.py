@@ -42,8 +42,16 @@ def _nemotron_h() -> tuple:
         moe_shared_expert_intermediate_size=20, routed_scaling_factor=1.7)
 
 
+def _falcon_h1() -> tuple:
+    return transformers.FalconH1Config, transformers.FalconH1ForCausalLM, dict(
+        COMMON, intermediate_size=40, num_hidden_layers=2, mamba_d_ssm=48, mamba_n_heads=3, mamba_d_state=8,
+        mamba_n_groups=3, mamba_chunk_size=8, mamba_rms_norm=True, embedding_multiplier=1.5, lm_head_multiplier=0.7,
+        ssm_multipliers=[0.5, 1.2, 0.8, 1.3, 0.9], mlp_multipliers=[1.1, 0.6], key_multiplier=0.8,
+        attention_in_multiplier=1.3, attention_out_multiplier=0.9, ssm_in_multiplier=1.2, ssm_out_multiplier=0.8)
+
+
 FAMILIES = {"granite_moe_rope": lambda: _granite(4, "rope"), "granite_dense_nope": lambda: _granite(0, None),
-            "bamba": _bamba, "nemotron_h": _nemotron_h}
+            "bamba": _bamba, "nemotron_h": _nemotron_h, "falcon_h1": _falcon_h1}
 #: Per family: config.json edits each refused with a CheckpointError naming the field.
 REFUSALS = {
     "granite_moe_rope": [("hidden_act", "gelu"), ("rope_parameters", {"rope_type": "yarn"}), ("mamba_n_heads", 3),
@@ -51,6 +59,8 @@ REFUSALS = {
     "granite_dense_nope": [("hidden_act", "gelu"), ("position_embedding_type", "alibi"), ("mamba_n_heads", 3)],
     "bamba": [("hidden_act", "gelu"), ("rope_parameters", {"rope_type": "yarn"}), ("attn_layer_indices", [7]),
               ("mlp_bias", True)],
+    "falcon_h1": [("hidden_act", "gelu"), ("mlp_bias", True), ("projectors_bias", True),
+                  ("ssm_multipliers", [1.0, 2.0]), ("rope_parameters", {"rope_type": "yarn"})],
     "nemotron_h": [("mlp_hidden_act", "gelu"), ("moe_latent_size", 16), ("n_group", 2), ("mamba_hidden_act", "gelu"),
                    ("layers_block_type", ["mamba", "ssm"]), ("num_nextn_predict_layers", 1)],
 }
