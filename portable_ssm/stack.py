@@ -3,7 +3,10 @@ attention, MLP and MoE blocks, with one state holding every layer's conv, SSM an
 
 A layer is ``(mixer, ffn)``: mixer ``"mamba" | "attention" | "parallel" | None`` then ffn ``"mlp"
 | "moe" | None``, each behind its own RMSNorm and residual add (``residual +
-multiplier·block(norm(h))``); ``"parallel"`` (Falcon-H1) adds Mamba-2 and attention of one input.
+multiplier·block(norm(h))``); ``"parallel"`` (Falcon-H1) adds Mamba-2 and attention of one input;
+``"shared"`` (Zamba2) runs a transformer block (attention on ``concat(h, embeddings)`` then an
+MLP, its weights under ``layers.{i}.shared.``) whose output, through ``shared.linear``, is added
+to the Mamba-2 layer's input (not to the residual).
 Granite-4.0-H and Bamba layers are ``(mamba or attention, mlp or moe)``; Nemotron-H's are one
 block each (``("mamba", None)``, ``(None, "mlp")``...). Parameters, in core names::
 
@@ -24,7 +27,7 @@ its whole-model decode kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ._array import Array, Namespace, compute_dtype, device, is_traced
 from .blocks.attention import AttentionSpec, KVCache, Positions, advance, attention, empty_kv_cache, empty_positions
@@ -35,7 +38,7 @@ from .mixer import _linear, mixer, mixer_step
 from .norm import rms_norm
 from .params import param_shapes as mamba_shapes
 
-MIXERS = ("mamba", "attention", "parallel", None)
+MIXERS = ("mamba", "attention", "parallel", "shared", None)
 FFNS = ("mlp", "moe", None)
 
 
@@ -47,6 +50,7 @@ class HybridConfig:
     vocab_size: int
     layers: tuple[tuple[str | None, str | None], ...]  # (mixer, ffn) per layer
     mamba: Mamba2Config | None = None  # n_layer=1, d_model = SSM width, expand=1: every Mamba layer's shapes
+    mamba_step: Mamba2Config | None = None  # the one-token step's, where it differs (Zamba2's dt clamp); None: mamba
     attention: AttentionSpec | None = None
     mlp: MLPSpec | None = None
     moe: MoESpec | None = None
@@ -76,9 +80,11 @@ class HybridConfig:
         if self.mamba is not None and (self.mamba.n_layer != 1 or self.mamba.expand != 1 or self.mamba.d_mlp):
             raise ValueError(f"HybridConfig.mamba: expected n_layer=1, expand=1 (d_model = the SSM width) and no "
                              f"d_ssm, got n_layer={self.mamba.n_layer}, expand={self.mamba.expand}")
-        for kind, spec in (("mamba", self.mamba), ("attention", self.attention)):
-            if spec is None and any(m == "parallel" for m, _ in self.layers):
-                raise ValueError(f"HybridConfig.{kind}: a 'parallel' layer needs it")
+        needs = {"parallel": ("mamba", "attention"), "shared": ("mamba", "attention", "mlp")}
+        for i, (mix, _) in enumerate(self.layers):
+            for kind in needs.get(mix, ()):
+                if need[kind] is None:
+                    raise ValueError(f"HybridConfig.{kind}: layer {i} is {mix!r}, so its spec is required")
 
     @property
     def n_layer(self) -> int:
@@ -86,7 +92,7 @@ class HybridConfig:
 
     def indices(self, kind: str) -> tuple[int, ...]:
         """The layers that hold a ``kind`` ("mamba" or "attention") block, parallel ones included."""
-        return tuple(i for i, (m, _) in enumerate(self.layers) if m in (kind, "parallel"))
+        return tuple(i for i, (m, _) in enumerate(self.layers) if m in (kind, "parallel", "shared"))
 
 
 class HybridState(NamedTuple):
@@ -134,35 +140,45 @@ def _ffn(h: Array, p: dict[str, Array], kind: str, config: HybridConfig, *, xp: 
 
 
 def run_layers(x: Array, params: dict[str, Array], config: HybridConfig, state: HybridState, tokens: Array,
-               pad: Array | None, *, xp: Namespace, one_token: bool = False) -> tuple[Array, HybridState]:
+               pad: Array | None, *, xp: Namespace, one_token: bool = False,
+               embeddings: Array | None = None) -> tuple[Array, HybridState]:
     """Every layer then ``norm_f`` over ``x [b, l, d_model]`` (``one_token``: ``x [b, d_model]``
     through the Mamba layers' one-token step): ``(hidden, new state)``. ``tokens [b, l]`` bool
-    marks real tokens, ``pad [b]`` each row's left padding (None: none), both from the caller."""
+    marks real tokens, ``pad [b]`` each row's left padding (None: none), both from the caller;
+    ``embeddings`` (x's shape): the token embeddings a "shared" layer reads (default: x)."""
     positions, rope_pos = advance(state.positions, tokens, xp=xp)
     convs, ssms, kvs = list(state.conv), list(state.ssm), list(state.kv)
     mamba_at = {i: j for j, i in enumerate(config.indices("mamba"))}
     attn_at = {i: j for j, i in enumerate(config.indices("attention"))}
     hidden = x
+    emb = x if embeddings is None else embeddings
+
+    def attend(v: Array, p: dict[str, Array], j: int) -> Array:
+        seq = v[:, None, :] if one_token else v  # [b, d] -> [b, 1, d]
+        out, kvs[j] = attention(seq, p, config.attention, kvs[j], state.positions.length, positions.valid, rope_pos,
+                                xp=xp)
+        return out[:, 0, :] if one_token else out
+
+    mamba_c = config.mamba_step if one_token and config.mamba_step is not None else config.mamba
     for i, (mix, ffn) in enumerate(config.layers):
         if mix is not None:
             p = _sub(params, f"layers.{i}.mixer.")
-            normed = rms_norm(hidden, params[f"layers.{i}.mixer_norm.weight"], config.norm_eps, xp=xp)
+            source = hidden
+            if mix == "shared":
+                source = hidden + _shared_block(hidden, emb, _sub(params, f"layers.{i}.shared."), attn_at[i], attend,
+                                                config, xp=xp)
+            normed = rms_norm(source, params[f"layers.{i}.mixer_norm.weight"], config.norm_eps, xp=xp)
             out = None
-            if mix in ("mamba", "parallel"):
+            if mix in ("mamba", "parallel", "shared"):
                 j = mamba_at[i]
                 mp = _sub(p, "mamba.") if mix == "parallel" else p
                 if one_token:
-                    out, convs[j], ssms[j] = mixer_step(normed, mp, config.mamba, convs[j], ssms[j], xp=xp)
+                    out, convs[j], ssms[j] = mixer_step(normed, mp, mamba_c, convs[j], ssms[j], xp=xp)
                 else:
                     extra = {} if pad is None else {"pad": pad}
-                    out, convs[j], ssms[j] = mixer(normed, mp, config.mamba, convs[j], ssms[j], xp=xp, **extra)
+                    out, convs[j], ssms[j] = mixer(normed, mp, mamba_c, convs[j], ssms[j], xp=xp, **extra)
             if mix in ("attention", "parallel"):
-                j = attn_at[i]
-                ap = _sub(p, "attention.") if mix == "parallel" else p
-                seq = normed[:, None, :] if one_token else normed  # [b, d] -> [b, 1, d]
-                att, kvs[j] = attention(seq, ap, config.attention, kvs[j], state.positions.length, positions.valid,
-                                        rope_pos, xp=xp)
-                att = att[:, 0, :] if one_token else att
+                att = attend(normed, _sub(p, "attention.") if mix == "parallel" else p, attn_at[i])
                 out = att if out is None else out + att
             hidden = hidden + out * config.residual_multiplier
         if ffn is not None:
@@ -171,6 +187,16 @@ def run_layers(x: Array, params: dict[str, Array], config: HybridConfig, state: 
                 config.residual_multiplier
     out = rms_norm(hidden, params["norm_f.weight"], config.norm_eps, xp=xp)
     return out, HybridState(tuple(convs), tuple(ssms), tuple(kvs), positions)
+
+
+def _shared_block(hidden: Array, emb: Array, p: dict[str, Array], j: int, attend: Any, config: HybridConfig, *,
+                  xp: Namespace) -> Array:
+    """Zamba2's shared transformer block on ``concat(hidden, emb) [..., 2d]``: attention (KV cache
+    ``j``) then the MLP, each after its RMSNorm, then ``linear``: ``[..., d]``."""
+    cat = xp.concat([hidden, emb], axis=-1)  # [..., 2d]
+    att = attend(rms_norm(cat, p["attn_norm.weight"], config.norm_eps, xp=xp), _sub(p, "attention."), j)
+    out = mlp(rms_norm(att, p["ffn_norm.weight"], config.norm_eps, xp=xp), _sub(p, "ffn."), config.mlp, xp=xp)
+    return _linear(out, p["linear.weight"], None, xp=xp)
 
 
 def head(hidden: Array, params: dict[str, Array], config: HybridConfig, *, xp: Namespace) -> Array:
@@ -204,7 +230,7 @@ def param_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, d)
     for i, (mix, ffn) in enumerate(config.layers):
         pre = f"layers.{i}.mixer." + ("mamba." if mix == "parallel" else "")
-        if mix in ("mamba", "parallel"):
+        if mix in ("mamba", "parallel", "shared"):
             for k, v in mamba_shapes(config.mamba).items():
                 if k.startswith("layers.0.mixer."):
                     leaf = k[len("layers.0.mixer."):]
@@ -214,10 +240,17 @@ def param_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
                         v = (d, *v[1:])
                     shapes[pre + leaf] = v
         pre = f"layers.{i}.mixer." + ("attention." if mix == "parallel" else "")
-        if mix in ("attention", "parallel"):
-            a = config.attention
+        if mix == "shared":
+            s = f"layers.{i}.shared."
+            shapes.update({s + "attn_norm.weight": (2 * d,), s + "ffn_norm.weight": (d,), s + "linear.weight": (d, d),
+                           s + "ffn.up.weight": ((2 if config.mlp.gated else 1) * config.d_ff, d),
+                           s + "ffn.down.weight": (d, config.d_ff)})
+            pre = s + "attention."
+        if mix in ("attention", "parallel", "shared"):
+            a, din = config.attention, 2 * d if mix == "shared" else d
             q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-            for name, shape in (("q_proj", (q, d)), ("k_proj", (kv, d)), ("v_proj", (kv, d)), ("o_proj", (d, q))):
+            for name, shape in (("q_proj", (q, din)), ("k_proj", (kv, din)), ("v_proj", (kv, din)),
+                                ("o_proj", (d, q))):
                 shapes[f"{pre}{name}.weight"] = shape
                 if a.bias:
                     shapes[f"{pre}{name}.bias"] = (shape[0],)

@@ -50,8 +50,16 @@ def _falcon_h1() -> tuple:
         attention_in_multiplier=1.3, attention_out_multiplier=0.9, ssm_in_multiplier=1.2, ssm_out_multiplier=0.8)
 
 
+def _zamba2() -> tuple:
+    return transformers.Zamba2Config, transformers.Zamba2ForCausalLM, dict(
+        COMMON, num_key_value_heads=4, num_hidden_layers=5, intermediate_size=40, mamba_d_state=8, n_mamba_heads=4,
+        mamba_ngroups=2, chunk_size=8, layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+        num_mem_blocks=2, adapter_rank=4, use_mem_rope=True, use_shared_attention_adapter=True)
+
+
 FAMILIES = {"granite_moe_rope": lambda: _granite(4, "rope"), "granite_dense_nope": lambda: _granite(0, None),
-            "bamba": _bamba, "nemotron_h": _nemotron_h, "falcon_h1": _falcon_h1}
+            "bamba": _bamba, "nemotron_h": _nemotron_h, "falcon_h1": _falcon_h1,
+            "zamba2": _zamba2}
 #: Per family: config.json edits each refused with a CheckpointError naming the field.
 REFUSALS = {
     "granite_moe_rope": [("hidden_act", "gelu"), ("rope_parameters", {"rope_type": "yarn"}), ("mamba_n_heads", 3),
@@ -61,6 +69,8 @@ REFUSALS = {
               ("mlp_bias", True)],
     "falcon_h1": [("hidden_act", "gelu"), ("mlp_bias", True), ("projectors_bias", True),
                   ("ssm_multipliers", [1.0, 2.0]), ("rope_parameters", {"rope_type": "yarn"})],
+    "zamba2": [("hidden_act", "relu"), ("add_bias_linear", True), ("use_long_context", True),
+               ("layers_block_type", ["mamba", "transformer"]), ("rope_parameters", {"rope_type": "yarn"})],
     "nemotron_h": [("mlp_hidden_act", "gelu"), ("moe_latent_size", 16), ("n_group", 2), ("mamba_hidden_act", "gelu"),
                    ("layers_block_type", ["mamba", "ssm"]), ("num_nextn_predict_layers", 1)],
 }

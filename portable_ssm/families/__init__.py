@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import bamba, falcon_h1, granite_hybrid, nemotron_h
+from . import bamba, falcon_h1, granite_hybrid, nemotron_h, zamba2
 
 #: config.json's ``model_type`` -> the family module that reads it.
-FAMILIES: dict[str, ModuleType] = {t: m for m in (granite_hybrid, bamba, nemotron_h, falcon_h1) for t in m.MODEL_TYPES}
+FAMILIES: dict[str, ModuleType] = {t: m for m in (granite_hybrid, bamba, nemotron_h, falcon_h1, zamba2)
+                                   for t in m.MODEL_TYPES}
 
 __all__ = ["FAMILIES"]
