@@ -201,3 +201,17 @@ def test_mamba2_with_many_groups_uses_the_per_group_gated_norm_as_transformers(x
     assert lm.config.ngroups == 8
     got = xp.numpy(lm.logits(xp.asarray_from(ids.numpy(), "int64")))
     assert _rel(got, want) < 1e-4
+
+
+def test_sharded_checkpoints_load_like_single_files(case, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(case["folder"])
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    lm = portable_ssm.load_pretrained(tmp_path)
+    assert _rel(lm.logits(case["ids"]), case["full"]) < 1e-4
+
+
+def test_a_config_larger_than_its_weight_files_is_refused_before_reading(case, tmp_path):
+    folder = _edited(case, tmp_path, vocab_size=2**24)
+    with pytest.raises(CheckpointError, match="needs at least"):
+        portable_ssm.load_pretrained(folder)
