@@ -26,6 +26,7 @@ its whole-model decode kernel.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -125,6 +126,27 @@ def empty_hybrid_state(config: HybridConfig, batch: int, max_len: int, like: Arr
     return HybridState(convs, ssms, kv, empty_positions(batch, max_len, like, xp=xp))
 
 
+_GROUPS: OrderedDict[int, tuple[dict[str, Array], dict[str, dict[str, Array]]]] = OrderedDict()
+
+
+def _layer_params(params: dict[str, Array], i: int, group: str) -> dict[str, Array]:
+    """``layers.{i}.{group}.*`` named without the prefix: every layer's groups are split in one
+    pass per params dict (kept for the last few dicts, with the dict itself so its id stays valid),
+    so a decode step does not scan every name once per layer."""
+    key = id(params)
+    if key not in _GROUPS or _GROUPS[key][0] is not params:
+        groups: dict[str, dict[str, Array]] = {}
+        for name, value in params.items():
+            parts = name.split(".", 3)
+            if len(parts) == 4 and parts[0] == "layers":
+                groups.setdefault(f"{parts[1]}.{parts[2]}", {})[parts[3]] = value
+        _GROUPS[key] = (params, groups)
+        if len(_GROUPS) > 4:
+            _GROUPS.popitem(last=False)
+    _GROUPS.move_to_end(key)
+    return _GROUPS[key][1].get(f"{i}.{group}", {})
+
+
 def _sub(params: dict[str, Array], prefix: str) -> dict[str, Array]:
     """The params under ``prefix``, named without it."""
     return {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
@@ -162,10 +184,10 @@ def run_layers(x: Array, params: dict[str, Array], config: HybridConfig, state: 
     mamba_c = config.mamba_step if one_token and config.mamba_step is not None else config.mamba
     for i, (mix, ffn) in enumerate(config.layers):
         if mix is not None:
-            p = _sub(params, f"layers.{i}.mixer.")
+            p = _layer_params(params, i, "mixer")
             source = hidden
             if mix == "shared":
-                source = hidden + _shared_block(hidden, emb, _sub(params, f"layers.{i}.shared."), attn_at[i], attend,
+                source = hidden + _shared_block(hidden, emb, _layer_params(params, i, "shared"), attn_at[i], attend,
                                                 config, xp=xp)
             normed = rms_norm(source, params[f"layers.{i}.mixer_norm.weight"], config.norm_eps, xp=xp)
             out = None
@@ -183,7 +205,7 @@ def run_layers(x: Array, params: dict[str, Array], config: HybridConfig, state: 
             hidden = hidden + out * config.residual_multiplier
         if ffn is not None:
             normed = rms_norm(hidden, params[f"layers.{i}.ffn_norm.weight"], config.norm_eps, xp=xp)
-            hidden = hidden + _ffn(normed, _sub(params, f"layers.{i}.ffn."), ffn, config, xp=xp) * \
+            hidden = hidden + _ffn(normed, _layer_params(params, i, "ffn"), ffn, config, xp=xp) * \
                 config.residual_multiplier
     out = rms_norm(hidden, params["norm_f.weight"], config.norm_eps, xp=xp)
     return out, HybridState(tuple(convs), tuple(ssms), tuple(kvs), positions)
