@@ -8,6 +8,7 @@ the attention layers never see a padding slot, and RoPE counts the row's own tok
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ._array import Array, Namespace, device, namespace
@@ -32,6 +33,33 @@ class HybridLM:
     @property
     def dtype(self) -> Any:
         return self.params["embedding.weight"].dtype
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters in all (each hybrid layer's copy of a shared block counted)."""
+        return sum(math.prod(v.shape) for v in self.params.values())
+
+    def describe(self) -> list[tuple[str, Any]]:
+        """``(key, value)`` rows for ``portable_ssm info``: family, sizes, layer kinds, and the
+        loader's notes (e.g. which gated-norm semantics it applies)."""
+        c = self.config
+        kinds: dict[str, int] = {}
+        for mix, ffn in c.layers:
+            label = "+".join(k for k in (mix, ffn) if k is not None)
+            kinds[label] = kinds.get(label, 0) + 1
+        rows: list[tuple[str, Any]] = [("family", c.family), ("parameters", f"{self.num_parameters:,}"),
+                                       ("eos_token_id", self.eos_token_id), ("vocab", c.vocab_size),
+                                       ("d_model", c.d_model), ("layers", f"{c.n_layer}: " + ", ".join(
+                                           f"{n} {k}" for k, n in kinds.items()))]
+        if c.mamba is not None:
+            m = c.mamba
+            rows.append(("mamba", f"heads {m.nheads} x {m.headdim}, state {m.d_state}, groups {m.ngroups}, "
+                                  f"conv {m.d_conv}"))
+        if c.attention is not None and c.indices("attention"):
+            a = c.attention
+            rows.append(("attention", f"heads {a.n_heads}, kv heads {a.n_kv_heads}, head_dim {a.head_dim}, "
+                                      f"rotary {a.rotary_dim or 'none (nope)'}"))
+        return rows + [("note", note) for note in self.notes]
 
     def empty_state(self, batch: int, max_len: int) -> HybridState:
         """A zero state for ``batch`` rows with KV caches of ``max_len`` tokens."""

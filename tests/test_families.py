@@ -215,3 +215,12 @@ def test_a_config_larger_than_its_weight_files_is_refused_before_reading(case, t
     folder = _edited(case, tmp_path, vocab_size=2**24)
     with pytest.raises(CheckpointError, match="needs at least"):
         portable_ssm.load_pretrained(folder)
+
+
+def test_cli_info_names_the_family_and_the_gated_norm_the_loader_applies(case, capsys):
+    from portable_ssm.cli import main
+
+    assert main(["info", case["folder"]]) == 0
+    shown = capsys.readouterr().out
+    assert "family" in shown and "parameters" in shown
+    assert "Mamba mixer:" in shown and "per group" in shown
