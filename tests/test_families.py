@@ -255,3 +255,20 @@ def test_torch_autograd_gradients_match_transformers(family, tmp_path):
     for core, name in GRADIENT_NAMES[family].items():
         want, got = hf[name].grad.numpy(), lm.params[core].grad.numpy()
         assert _rel(got, want) < 1e-4, core
+
+
+def test_one_token_step_traces_under_jax_jit_with_static_shapes(case):
+    """The whole step (KV-cache write by one-hot slots, top-k by argmax rounds, the Mamba step)
+    compiles once under jax.jit and gives the eager step's logits: no data-dependent shape."""
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    lm = portable_ssm.load_pretrained(case["folder"], backend="jax")
+    ids = jax.numpy.asarray(case["ids"])
+    _, state = lm.prefill(ids[:, :6], max_len=PROMPT)
+    jitted = jax.jit(lm.step)
+    eager_logits, _ = lm.step(ids[:, 6], state)
+    logits, state2 = jitted(ids[:, 6], state)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(eager_logits), rtol=1e-5, atol=1e-6)
+    logits, _ = jitted(ids[:, 7], state2)  # the same trace, the next position
+    assert _rel(np.asarray(logits), case["full"][:, 7]) < 1e-4
+    assert jitted._cache_size() == 1
