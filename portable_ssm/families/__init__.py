@@ -3,8 +3,10 @@
 
 Each module has ``MODEL_TYPES`` (config.json's ``model_type`` values it reads), ``config(raw)``
 (a :class:`~portable_ssm.io.layouts._Keys` of config.json -> ``(HybridConfig, notes)``; an
-unsupported option raises CheckpointError naming the field) and ``rename(tensors, config)``
-(checkpoint names -> core names, packing or splitting where a family stores a block otherwise).
+unsupported option raises CheckpointError naming the field) and ``rename(tensors, config, raw)``
+(checkpoint names -> core names, packing, stacking or folding where a family stores a block
+otherwise). Families: ``granitemoehybrid``, ``bamba``, ``nemotron_h``, ``falcon_h1``, ``zamba2``;
+pure Mamba-2 (``mamba2`` and state-spaces folders) stays with :mod:`portable_ssm.io.layouts`.
 """
 
 from __future__ import annotations
