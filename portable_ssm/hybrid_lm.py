@@ -9,6 +9,7 @@ the attention layers never see a padding slot, and RoPE counts the row's own tok
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from ._array import Array, Namespace, device, namespace
@@ -115,22 +116,45 @@ class HybridLM:
         hidden, state = run_layers(x, self.params, self.config, state, tokens, None, xp=xp, one_token=True)
         return head(hidden, self.params, self.config, xp=xp), state
 
-    def generate(self, input_ids: Array, *, max_new_tokens: int, attention_mask: Array | None = None,
-                 state: HybridState | None = None, return_state: bool = False) -> Array | tuple[Array, HybridState]:
-        """Greedy continuation ``[b, max_new_tokens]`` of ``input_ids [b, l]`` (left-padded rows with
-        ``attention_mask``), one-token steps on the KV cache after one prefill; with ``state`` (from
-        an earlier ``return_state=True``) the prompt continues it."""
+    def stream(self, input_ids: Array, *, max_new_tokens: int, attention_mask: Array | None = None,
+               state: HybridState | None = None, eos_token_id: Any = "config",
+               pad_token_id: int | None = None) -> Iterator[tuple[Array, HybridState]]:
+        """Greedy tokens one step at a time: yields ``(token [b], state after the tokens so far)``.
+        ``input_ids [b, l]`` (left-padded rows with ``attention_mask``) is prefilled once, then
+        one-token steps run on the KV cache; with ``state`` (a returned one) the prompt continues
+        it. ``eos_token_id`` (default: the checkpoint's; None: never stop): a row that emitted it
+        emits ``pad_token_id`` (default: the first eos id) from then on, and the stream ends once
+        every row has (the finished rows' state keeps taking the filler)."""
         check_int("max_new_tokens", max_new_tokens, minimum=1)
         xp = self._xp
-        b, l = input_ids.shape if getattr(input_ids, "ndim", 0) == 2 else (0, 0)
+        eos = self.eos_token_id if eos_token_id == "config" else eos_token_id
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        fill = eos[0] if pad_token_id is None and eos else (pad_token_id or 0)
+        b, l = input_ids.shape if getattr(input_ids, "ndim", 0) == 2 else (1, 0)
         if state is None:
-            state = self.empty_state(max(b, 1), l + max_new_tokens)
+            state = self.empty_state(b, l + max_new_tokens)
         logits, state = self.prefill(input_ids, attention_mask=attention_mask, state=state)
-        token = xp.argmax(logits[:, -1, :], axis=-1)
-        out = [token]
-        for _ in range(max_new_tokens - 1):
-            logits, state = self.step(token, state)
+        logits, finished = logits[:, -1, :], None
+        for i in range(max_new_tokens):
             token = xp.argmax(logits, axis=-1)
-            out.append(token)
-        ids = xp.stack(out, axis=1)  # [b, max_new_tokens]
-        return (ids, state) if return_state else ids
+            if finished is not None:
+                token = xp.where(finished, xp.full_like(token, fill), token)
+            if eos:
+                ends = xp.any(xp.stack([token == e for e in eos], axis=-1), axis=-1)  # [b]
+                finished = ends if finished is None else finished | ends
+            yield token, state
+            if i + 1 == max_new_tokens or (finished is not None and bool(xp.all(finished))):
+                return
+            logits, state = self.step(token, state)
+
+    def generate(self, input_ids: Array, *, max_new_tokens: int, attention_mask: Array | None = None,
+                 state: HybridState | None = None, return_state: bool = False, eos_token_id: Any = "config",
+                 pad_token_id: int | None = None) -> Array | tuple[Array, HybridState]:
+        """Greedy continuation ``[b, new]`` of ``input_ids [b, l]`` (:meth:`stream`'s tokens side by
+        side, ``new <= max_new_tokens``); with ``return_state`` also the state after the prompt and
+        every returned token but the last (feed that one to :meth:`step` or a next prompt)."""
+        xp = self._xp
+        steps = list(self.stream(input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+                                 state=state, eos_token_id=eos_token_id, pad_token_id=pad_token_id))
+        ids = xp.stack([token for token, _ in steps], axis=1)  # [b, new]
+        return (ids, steps[-1][1]) if return_state else ids

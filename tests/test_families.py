@@ -129,6 +129,16 @@ def test_prefill_then_one_token_steps_match_the_whole_sequence(xp, case):
         lm.step(ids[:, 0], state)
 
 
+class _Numpy:
+    """The numpy row of the xp fixture, for tests that run on one backend."""
+
+    def asarray_from(self, host, dtype):
+        return np.asarray(host, dtype=dtype)
+
+
+NUMPY = _Numpy()
+
+
 def _ragged(xp, case):
     ids = case["ids"].copy()
     mask = np.ones_like(ids)
@@ -283,3 +293,24 @@ def test_half_precision_weights_compute_in_float32_and_stay_close(case):
     got = logits.float().numpy()
     assert np.isfinite(got).all()
     assert _rel(got, case["full"]) < 0.05  # 0.6-2.1% measured: bfloat16 weights and activations
+
+
+def _cut_at(tokens: np.ndarray, eos: int, pad: int) -> tuple[np.ndarray, int]:
+    """A row's greedy tokens with everything after its first eos replaced by pad; its length to there."""
+    hits = np.flatnonzero(tokens == eos)
+    end = len(tokens) if not len(hits) else hits[0] + 1
+    return np.where(np.arange(len(tokens)) < end, tokens, pad), end
+
+
+def test_rows_stop_at_eos_then_pad_and_the_stream_ends_when_all_did(case):
+    """The first row's second greedy token made eos: each ragged row emits pad_token_id after its
+    first eos (transformers' generate), and generation ends once every row has emitted it."""
+    lm = portable_ssm.load_pretrained(case["folder"])
+    eos = int(case["tokens"][0][1])
+    ids, mask = _ragged(NUMPY, case)
+    got = lm.generate(ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
+    rows = [_cut_at(t, eos, 0) for t in case["tokens"]]
+    assert got.shape == (2, max(end for _, end in rows))
+    np.testing.assert_array_equal(got, np.stack([r for r, _ in rows])[:, :got.shape[1]])
+    tokens = [t for t, _ in lm.stream(ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=None)]
+    np.testing.assert_array_equal(np.stack(tokens, axis=1), np.stack(case["tokens"]))
