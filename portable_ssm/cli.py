@@ -200,6 +200,10 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _describe(lm: Mamba2LM, out: TextIO) -> None:
+    if hasattr(lm, "describe"):  # a hybrid family's model (portable_ssm.hybrid_lm.HybridLM)
+        for key, value in lm.describe():
+            out.write(f"{key:<32} {value}\n")
+        return
     rows = [("layout", lm.layout), ("stored dtype", lm.checkpoint_dtype),
             ("parameters", f"{lm.num_parameters:,}"), ("eos_token_id", lm.eos_token_id),
             ("vocab", f"{lm.vocab_size} (logits rows {lm.config.padded_vocab_size})")]

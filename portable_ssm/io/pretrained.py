@@ -296,6 +296,18 @@ def _check_arguments(path: Any, revision: Any, local_files_only: Any, weights: A
     return path
 
 
+def _hybrid_family(raw: Any, path: str, weights: str, backend: str, dtype: str | None, device: Any) -> Any:
+    """The hybrid families' hook (:mod:`portable_ssm.io.hybrid`): their model, or None for Mamba-2."""
+    from .hybrid import load_hybrid, model_types
+
+    if not isinstance(raw, dict) or raw.get("model_type") not in model_types():
+        return None
+    if weights != "float32":
+        raise ValueError(f"weights: {weights!r} storage is not supported for the {raw['model_type']} family yet; "
+                         f"load it with weights='float32'")
+    return load_hybrid(path, raw, backend=backend, dtype=dtype, device=device)
+
+
 def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
                     device: Any = None, revision: str | None = None,
                     local_files_only: bool = False, weights: str = "float32") -> Mamba2LM:
@@ -334,6 +346,9 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
         raise FileNotFoundError(f"{path}: expected a checkpoint directory with config.json or a file "
                                 f"written by portable_ssm.save_params")
     raw = read_file(config_path)
+    hybrid = _hybrid_family(raw, path, weights, backend, dtype, device)
+    if hybrid is not None:
+        return hybrid
     fields = config_fields(raw, path)
     eos = eos_token_ids(raw.get("eos_token_id"), f"{path}: config.json")
     regular(os.path.join(path, GENERATION_CONFIG))  # a FIFO or directory in its place is an error, not "none"

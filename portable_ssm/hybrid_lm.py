@@ -1,0 +1,160 @@
+"""``HybridLM``: a hybrid model's parameters and :class:`~portable_ssm.stack.HybridConfig` with
+the language-model calls: logits, continued prefill and greedy generation with the KV cache.
+
+Ragged prompts arrive left-padded with ``attention_mask [b, l]`` (1 token, 0 padding); each row
+then gives what it gives alone: the Mamba layers skip its padding (:mod:`portable_ssm.padding`),
+the attention layers never see a padding slot, and RoPE counts the row's own tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from ._array import Array, Namespace, device, namespace
+from ._checks import Shapes, check_int
+from .lm import check_token_ids
+from .padding import check_attention_mask
+from .stack import HybridConfig, HybridState, check_room, embed_tokens, empty_hybrid_state, head, run_layers
+
+
+class HybridLM:
+    """A hybrid language model (loaded by :func:`portable_ssm.load_pretrained` from a Granite-4.0-H,
+    Bamba, ... folder). ``params``: core names (:mod:`portable_ssm.stack`), one backend and dtype."""
+
+    def __init__(self, params: dict[str, Array], config: HybridConfig, *, eos_token_id: Any = None,
+                 notes: tuple[str, ...] = ()) -> None:
+        if not isinstance(config, HybridConfig):
+            raise TypeError(f"config: expected a HybridConfig, got {type(config).__name__}")
+        self.params, self.config, self.eos_token_id, self.notes = params, config, eos_token_id, notes
+        first = params["embedding.weight"]
+        self._xp: Namespace = namespace(**{"params['embedding.weight']": first})
+
+    @property
+    def dtype(self) -> Any:
+        return self.params["embedding.weight"].dtype
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters in all (each hybrid layer's copy of a shared block counted)."""
+        return sum(math.prod(v.shape) for v in self.params.values())
+
+    def describe(self) -> list[tuple[str, Any]]:
+        """``(key, value)`` rows for ``portable_ssm info``: family, sizes, layer kinds, and the
+        loader's notes (e.g. which gated-norm semantics it applies)."""
+        c = self.config
+        kinds: dict[str, int] = {}
+        for mix, ffn in c.layers:
+            label = "+".join(k for k in (mix, ffn) if k is not None)
+            kinds[label] = kinds.get(label, 0) + 1
+        rows: list[tuple[str, Any]] = [("family", c.family), ("parameters", f"{self.num_parameters:,}"),
+                                       ("eos_token_id", self.eos_token_id), ("vocab", c.vocab_size),
+                                       ("d_model", c.d_model), ("layers", f"{c.n_layer}: " + ", ".join(
+                                           f"{n} {k}" for k, n in kinds.items()))]
+        if c.mamba is not None:
+            m = c.mamba
+            rows.append(("mamba", f"heads {m.nheads} x {m.headdim}, state {m.d_state}, groups {m.ngroups}, "
+                                  f"conv {m.d_conv}"))
+        if c.attention is not None and c.indices("attention"):
+            a = c.attention
+            rows.append(("attention", f"heads {a.n_heads}, kv heads {a.n_kv_heads}, head_dim {a.head_dim}, "
+                                      f"rotary {a.rotary_dim or 'none (nope)'}"))
+        return rows + [("note", note) for note in self.notes]
+
+    def empty_state(self, batch: int, max_len: int) -> HybridState:
+        """A zero state for ``batch`` rows with KV caches of ``max_len`` tokens."""
+        check_int("batch", batch, minimum=1)
+        check_int("max_len", max_len, minimum=1)
+        return empty_hybrid_state(self.config, batch, max_len, self.params["embedding.weight"], xp=self._xp)
+
+    def _tokens(self, input_ids: Array, attention_mask: Array | None) -> tuple[Array, Array | None]:
+        """``(tokens [b, l] bool, pad [b] or None)`` after checking ids and mask at the door."""
+        xp = self._xp
+        namespace(input_ids=input_ids, **{"params['embedding.weight']": self.params["embedding.weight"]})
+        shapes = Shapes()
+        shapes.check("input_ids", input_ids, ("b", "l"))
+        check_token_ids("input_ids", input_ids, self.config.vocab_size, xp=xp)
+        b, l = input_ids.shape
+        pad = None if attention_mask is None else check_attention_mask(attention_mask, shapes, "input_ids",
+                                                                       input_ids, xp=xp)
+        slot = xp.arange(l, dtype=xp.int64, device=device(input_ids))
+        tokens = (slot[None, :] >= (xp.zeros((b,), dtype=xp.int64, device=device(input_ids)) if pad is None
+                                    else pad)[:, None])  # [b, l]
+        return tokens, pad
+
+    def prefill(self, input_ids: Array, *, attention_mask: Array | None = None, state: HybridState | None = None,
+                max_len: int | None = None) -> tuple[Array, HybridState]:
+        """``input_ids [b, l]`` through the stack: ``(logits [b, l, V], state)``. Without ``state``
+        a fresh one of ``max_len`` (default l) slots; with it, these tokens continue it."""
+        tokens, pad = self._tokens(input_ids, attention_mask)
+        b, l = input_ids.shape
+        if state is None:
+            state = self.empty_state(b, l if max_len is None else max_len)
+        elif not isinstance(state, HybridState):
+            raise TypeError(f"state: expected a HybridState, got {type(state).__name__}")
+        check_room(state, l)
+        x = embed_tokens(input_ids, self.params, self.config, xp=self._xp)
+        hidden, state = run_layers(x, self.params, self.config, state, tokens, pad, xp=self._xp)
+        return head(hidden, self.params, self.config, xp=self._xp), state
+
+    def logits(self, input_ids: Array, *, attention_mask: Array | None = None) -> Array:
+        """``input_ids [b, l]`` -> ``logits [b, l, V]`` (transformers' ``model(ids).logits``)."""
+        return self.prefill(input_ids, attention_mask=attention_mask)[0]
+
+    def step(self, token: Array, state: HybridState) -> tuple[Array, HybridState]:
+        """One token per row ``token [b]`` after ``state``: ``(logits [b, V], new state)``."""
+        xp = self._xp
+        if not isinstance(state, HybridState):
+            raise TypeError(f"state: expected a HybridState, got {type(state).__name__}")
+        namespace(token=token, **{"params['embedding.weight']": self.params["embedding.weight"]})
+        Shapes(b=state.positions.valid.shape[0]).check("token", token, ("b",))
+        check_token_ids("token", token, self.config.vocab_size, xp=xp)
+        check_room(state, 1)
+        tokens = xp.ones((token.shape[0], 1), dtype=xp.bool, device=device(token))
+        x = embed_tokens(token, self.params, self.config, xp=xp)
+        hidden, state = run_layers(x, self.params, self.config, state, tokens, None, xp=xp, one_token=True)
+        return head(hidden, self.params, self.config, xp=xp), state
+
+    def stream(self, input_ids: Array, *, max_new_tokens: int, attention_mask: Array | None = None,
+               state: HybridState | None = None, eos_token_id: Any = "config",
+               pad_token_id: int | None = None) -> Iterator[tuple[Array, HybridState]]:
+        """Greedy tokens one step at a time: yields ``(token [b], state after the tokens so far)``.
+        ``input_ids [b, l]`` (left-padded rows with ``attention_mask``) is prefilled once, then
+        one-token steps run on the KV cache; with ``state`` (a returned one) the prompt continues
+        it. ``eos_token_id`` (default: the checkpoint's; None: never stop): a row that emitted it
+        emits ``pad_token_id`` (default: the first eos id) from then on, and the stream ends once
+        every row has (the finished rows' state keeps taking the filler)."""
+        check_int("max_new_tokens", max_new_tokens, minimum=1)
+        xp = self._xp
+        eos = self.eos_token_id if eos_token_id == "config" else eos_token_id
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        fill = eos[0] if pad_token_id is None and eos else (pad_token_id or 0)
+        b, l = input_ids.shape if getattr(input_ids, "ndim", 0) == 2 else (1, 0)
+        if state is None:
+            state = self.empty_state(b, l + max_new_tokens)
+        logits, state = self.prefill(input_ids, attention_mask=attention_mask, state=state)
+        logits, finished = logits[:, -1, :], None
+        for i in range(max_new_tokens):
+            token = xp.argmax(logits, axis=-1)
+            if finished is not None:
+                token = xp.where(finished, xp.full_like(token, fill), token)
+            if eos:
+                ends = xp.any(xp.stack([token == e for e in eos], axis=-1), axis=-1)  # [b]
+                finished = ends if finished is None else finished | ends
+            yield token, state
+            if i + 1 == max_new_tokens or (finished is not None and bool(xp.all(finished))):
+                return
+            logits, state = self.step(token, state)
+
+    def generate(self, input_ids: Array, *, max_new_tokens: int, attention_mask: Array | None = None,
+                 state: HybridState | None = None, return_state: bool = False, eos_token_id: Any = "config",
+                 pad_token_id: int | None = None) -> Array | tuple[Array, HybridState]:
+        """Greedy continuation ``[b, new]`` of ``input_ids [b, l]`` (:meth:`stream`'s tokens side by
+        side, ``new <= max_new_tokens``); with ``return_state`` also the state after the prompt and
+        every returned token but the last (feed that one to :meth:`step` or a next prompt)."""
+        xp = self._xp
+        steps = list(self.stream(input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
+                                 state=state, eos_token_id=eos_token_id, pad_token_id=pad_token_id))
+        ids = xp.stack([token for token, _ in steps], axis=1)  # [b, new]
+        return (ids, steps[-1][1]) if return_state else ids

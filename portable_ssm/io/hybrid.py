@@ -1,0 +1,65 @@
+"""Hybrid-family folders (Granite-4.0-H, Bamba, ...): ``config.json`` + safetensors (sharded too)
+-> :class:`~portable_ssm.hybrid_lm.HybridLM`, with :mod:`.pretrained`'s hostile-file rules: the
+config is type-checked key by key, its parameter count is bounded by the weight files' sizes
+before a tensor is read, shard names stay inside the folder, and every error names the file.
+The family modules (:mod:`portable_ssm.families`) only map config keys and tensor names.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from ..backends import to_backend
+from ..families import FAMILIES
+from ..hybrid_lm import HybridLM
+from ..stack import param_shapes
+from .errors import CheckpointError
+from .layouts import _Keys, eos_token_ids
+
+
+def model_types() -> tuple[str, ...]:
+    """Every config.json ``model_type`` a hybrid family reads."""
+    return tuple(FAMILIES)
+
+
+def load_hybrid(path: str, raw: dict[str, Any], *, backend: str, dtype: str | None, device: Any) -> HybridLM:
+    """The :class:`HybridLM` of the checkpoint folder ``path`` whose parsed config.json is ``raw``
+    (its ``model_type`` one of :func:`model_types`)."""
+    from .pretrained import _default_dtype, _read_weights, _weight_files
+
+    config_path = os.path.join(path, "config.json")
+    family = FAMILIES[raw["model_type"]]
+    keys = _Keys(raw)
+    try:
+        config, notes = family.config(keys)
+    except (CheckpointError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
+    shapes = param_shapes(config)
+    files, index, weight_map = _weight_files(path)
+    need = 2 * sum(math.prod(s) for s in shapes.values())  # every parameter at 2 bytes (bf16) at least
+    held = sum(os.path.getsize(f) for f in files)
+    if need > held:
+        raise CheckpointError(f"{config_path}: the config needs at least {need} bytes of weights but the weight "
+                              f"files hold {held}")
+    tensors = _read_weights(files, index, weight_map)
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    try:
+        core = family.rename(tensors, config, keys)
+    except CheckpointError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    for name, shape in shapes.items():
+        if name not in core:
+            raise CheckpointError(f"{path}: tensor for {name!r} (core name) is missing")
+        if tuple(core[name][0].shape) != shape:
+            raise CheckpointError(f"{path}: tensor for {name!r} has shape {tuple(core[name][0].shape)}, expected "
+                                  f"{list(shape)} for this config")
+    extra = sorted(set(core) - set(shapes))
+    if extra:
+        raise CheckpointError(f"{path}: unexpected tensor {extra[0]!r} (core name) for this config")
+    dtype = dtype or _default_dtype(core["embedding.weight"][1])
+    params = {k: to_backend(v, backend, device=device, dtype=dtype) for k, (v, _) in core.items()}
+    eos = eos_token_ids(raw.get("eos_token_id"), f"{config_path}")
+    return HybridLM(params, config, eos_token_id=eos, notes=notes)
