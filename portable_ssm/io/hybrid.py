@@ -17,6 +17,7 @@ from ..hybrid_lm import HybridLM
 from ..stack import param_shapes
 from .errors import CheckpointError
 from .layouts import _Keys, eos_token_ids
+from .weights import default_dtype, read_weights, weight_files
 
 
 def model_types() -> tuple[str, ...]:
@@ -27,8 +28,6 @@ def model_types() -> tuple[str, ...]:
 def load_hybrid(path: str, raw: dict[str, Any], *, backend: str, dtype: str | None, device: Any) -> HybridLM:
     """The :class:`HybridLM` of the checkpoint folder ``path`` whose parsed config.json is ``raw``
     (its ``model_type`` one of :func:`model_types`)."""
-    from .pretrained import _default_dtype, _read_weights, _weight_files
-
     config_path = os.path.join(path, "config.json")
     family = FAMILIES[raw["model_type"]]
     keys = _Keys(raw)
@@ -37,13 +36,13 @@ def load_hybrid(path: str, raw: dict[str, Any], *, backend: str, dtype: str | No
     except (CheckpointError, ValueError, TypeError) as err:
         raise CheckpointError(f"{config_path}: {err}") from None
     shapes = param_shapes(config)
-    files, index, weight_map = _weight_files(path)
+    files, index, weight_map = weight_files(path)
     need = 2 * sum(math.prod(s) for s in shapes.values())  # every parameter at 2 bytes (bf16) at least
     held = sum(os.path.getsize(f) for f in files)
     if need > held:
         raise CheckpointError(f"{config_path}: the config needs at least {need} bytes of weights but the weight "
                               f"files hold {held}")
-    tensors = _read_weights(files, index, weight_map)
+    tensors = read_weights(files, index, weight_map)
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     try:
@@ -59,7 +58,7 @@ def load_hybrid(path: str, raw: dict[str, Any], *, backend: str, dtype: str | No
     extra = sorted(set(core) - set(shapes))
     if extra:
         raise CheckpointError(f"{path}: unexpected tensor {extra[0]!r} (core name) for this config")
-    dtype = dtype or _default_dtype(core["embedding.weight"][1])
+    dtype = dtype or default_dtype(core["embedding.weight"][1])
     params = {k: to_backend(v, backend, device=device, dtype=dtype) for k, (v, _) in core.items()}
     eos = eos_token_ids(raw.get("eos_token_id"), f"{config_path}")
     return HybridLM(params, config, eos_token_id=eos, notes=notes)

@@ -30,126 +30,22 @@ import os
 import re
 from typing import Any
 
-from ..backends import NAMES, load, to_backend
+from ..backends import NAMES, to_backend
 from ..language_model import Mamba2LM
 from ..quantized import KINDS
 from .checkpoint import load_params
 from .errors import CheckpointError
 from .generation_config import FILE_NAME as GENERATION_CONFIG
 from .generation_config import read_generation_config
-from .layouts import Tensors, config_fields, eos_token_ids, minimum_bytes, sanitize, shown
-from .paths import allowed_roots, as_path, check_inside, read_regular, regular
+from .layouts import config_fields, eos_token_ids, minimum_bytes, sanitize, shown
+from .paths import as_path, check_inside, read_regular, regular
 from .strict_json import loads, read_file
+from .weights import FLOATS as _FLOATS
+from .weights import default_dtype, read_weights, weight_files
 
-_FLOATS = ("float64", "float32", "float16", "bfloat16")
-_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_DRIVE = re.compile(r"^[A-Za-z]:")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _REF_LIMIT = 1024  # a ref is a 40-digit hash (and maybe a newline)
-
-
-def _read_torch_bin(path: str) -> Tensors:
-    """A torch state dict of tensors (``torch.load(weights_only=True)``: nothing else is unpickled)."""
-    try:
-        torch_backend = load("torch")
-    except ImportError:
-        raise ImportError(f"{path}: reading a .bin checkpoint needs torch (pip install "
-                          f"'portable-ssm[torch]'), or convert it to safetensors") from None
-    try:
-        return torch_backend.read_state_dict(path)
-    except ValueError as err:
-        raise CheckpointError(f"{path}: {err}") from None
-
-
-def _read(path: str) -> Tensors:
-    """Every tensor of one weight file (torch ``.bin`` or safetensors) with its stored dtype name;
-    CheckpointError naming the tensor unless every one is floating."""
-    if path.endswith(".bin"):
-        tensors = _read_torch_bin(path)
-    else:
-        from .safetensors import read_safetensors
-
-        arrays, dtypes, _ = read_safetensors(path)
-        tensors = {name: (value, dtypes[name]) for name, value in arrays.items()}
-    for name, (_, stored) in tensors.items():
-        if stored not in _FLOATS:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {stored}, expected a float "
-                                  f"({', '.join(_FLOATS)})")
-    return tensors
-
-
-def _shard_path(folder: str, index: str, name: Any) -> str:
-    """The file a shard index names: a relative path inside ``folder``, never ``..``, an absolute
-    path or a drive, nor under a directory symlinked out of ``folder``. The file itself may be a
-    symlink (the Hugging Face cache links every file of a snapshot to ``../../blobs/<hash>``)."""
-    parts = name.split("/") if isinstance(name, str) else []
-    if (not parts or "\\" in name or "\0" in name or _DRIVE.match(name)
-            or any(part in ("", ".", "..") for part in parts)):
-        raise CheckpointError(f"{index}: weight_map: shard {shown(name)} is not a relative path inside the model "
-                              f"directory (no '..', absolute path or drive letter)")
-    path = os.path.join(folder, *parts)
-    root = os.path.realpath(folder)
-    if os.path.commonpath([root, os.path.realpath(os.path.dirname(path))]) != root:
-        raise CheckpointError(f"{index}: weight_map: shard {name!r} lies in a directory outside the model "
-                              f"directory (a symlinked directory)")
-    return path
-
-
-def _weight_map(index: str, folder: str) -> dict[str, str]:
-    """A shard index's ``weight_map``: tensor name -> shard file, every name checked."""
-    raw = read_file(index)
-    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index}: weight_map: expected a non-empty JSON object of tensor name -> "
-                              f"shard file, got {type(weight_map).__name__}")
-    return {tensor: _shard_path(folder, index, shard) for tensor, shard in weight_map.items()}
-
-
-def _check_weight_file(path: str, folder: str) -> str:
-    """``path``, checked: in a Hub cache snapshot every file must resolve into the snapshot or its
-    repository's ``blobs/``; a local directory's weight file may link anywhere (another disk)."""
-    if len(allowed_roots(folder)) > 1:
-        check_inside(path, folder)
-    return path
-
-
-def _weight_files(folder: str) -> tuple[list[str], str | None, dict[str, str]]:
-    """``(weight files, shard index or None, its weight_map)`` of a checkpoint directory:
-    safetensors (sharded or not) first, then torch .bin."""
-    for name in _INDEXES:
-        index = os.path.join(folder, name)
-        if regular(index):
-            weight_map = _weight_map(index, folder)
-            for path in sorted(set(weight_map.values())):
-                if not regular(path):
-                    raise CheckpointError(f"{index}: shard {os.path.relpath(path, folder)!r} is listed but missing")
-                _check_weight_file(path, folder)
-            return sorted(set(weight_map.values())), index, weight_map
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if regular(os.path.join(folder, name)):
-            return [_check_weight_file(os.path.join(folder, name), folder)], None, {}
-    others = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
-    if len(others) == 1 and regular(os.path.join(folder, others[0])):
-        return [_check_weight_file(os.path.join(folder, others[0]), folder)], None, {}
-    raise CheckpointError(f"{folder}: no weights found (looked for model.safetensors[.index.json], "
-                          f"pytorch_model.bin[.index.json] or a single *.safetensors file)")
-
-
-def _read_weights(files: list[str], index: str | None, weight_map: dict[str, str]) -> Tensors:
-    """Every tensor of the weight files; with an index, each tensor must be in the shard it names."""
-    out: Tensors = {}
-    where: dict[str, str] = {}
-    for path in files:
-        for name, value in _read(path).items():
-            if name in out:
-                raise CheckpointError(f"{path}: tensor {name!r} is also in {where[name]}")
-            out[name], where[name] = value, path
-    for name, path in weight_map.items():
-        if where.get(name) != path:
-            raise CheckpointError(f"{index}: tensor {shown(name)} is listed but not in its shard "
-                                  f"{os.path.basename(path)!r}")
-    return out
 
 
 def _check_sizes(config_path: str, fields: dict[str, Any], files: list[str]) -> None:
@@ -161,11 +57,6 @@ def _check_sizes(config_path: str, fields: dict[str, Any], files: list[str]) -> 
         raise CheckpointError(f"{config_path}: the config needs at least {need} bytes of weights (n_layer "
                               f"{fields['n_layer']}, d_model {fields['d_model']}, vocab_size "
                               f"{fields['vocab_size']}) but the weight files hold {held}")
-
-
-def _default_dtype(stored: str) -> str:
-    """The parameter dtype when none is asked for: float64 stays float64, anything else is float32."""
-    return "float64" if stored == "float64" else "float32"
 
 
 def _metadata_json(path: str, meta: dict[str, str], key: str) -> Any:
@@ -191,7 +82,7 @@ def _load_file(path: str, backend: str, dtype: str | None, device: Any) -> Mamba
         if name != "__metadata__" and info["dtype"] not in ("F64", "F32", "F16", "BF16"):
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, expected a float "
                                   f"(F64, F32, F16, BF16)")
-    params, config = load_params(path, backend=backend, dtype=dtype or _default_dtype(stored), device=device)
+    params, config = load_params(path, backend=backend, dtype=dtype or default_dtype(stored), device=device)
     vocab = _metadata_json(path, meta, "vocab_size")
     if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int)):
         raise CheckpointError(f"{path}: metadata 'vocab_size': expected an int, got {shown(vocab)}")
@@ -352,11 +243,11 @@ def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: s
     fields = config_fields(raw, path)
     eos = eos_token_ids(raw.get("eos_token_id"), f"{path}: config.json")
     regular(os.path.join(path, GENERATION_CONFIG))  # a FIFO or directory in its place is an error, not "none"
-    files, index, weight_map = _weight_files(path)
+    files, index, weight_map = weight_files(path)
     _check_sizes(config_path, fields, files)
-    config, host, vocab = sanitize(fields, _read_weights(files, index, weight_map), path)
+    config, host, vocab = sanitize(fields, read_weights(files, index, weight_map), path)
     stored = host["embedding.weight"][1]
-    dtype = dtype or _default_dtype(stored)
+    dtype = dtype or default_dtype(stored)
     params = {k: to_backend(v, backend, device=device, dtype=dtype) for k, (v, _) in host.items()}
     layout = "transformers" if "hidden_size" in raw else "state-spaces"
     try:
