@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import numbers
 import os
-import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+
+from portable_ssm.io import paths
 
 
 class MarketDataError(ValueError):
@@ -80,21 +81,10 @@ def check_float_array(name: str, value: Any, *, ndim: int) -> np.ndarray:
 
 
 def open_regular(path: str | os.PathLike) -> tuple[BinaryIO, int]:
-    """``path`` opened for binary reading, and its size. Opened non-blocking first, so a FIFO or a
-    device cannot hang the open; MarketDataError naming the path unless it is a regular file
-    (OSError, e.g. FileNotFoundError, when it cannot be opened at all)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            what = "a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO, socket or device"
-            raise MarketDataError(f"{path}: not a data file: it is {what}, not a regular file")
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb"), info.st_size
-    except BaseException:
-        os.close(fd)
-        raise
+    """``path`` opened for binary reading, and its size (:func:`portable_ssm.io.paths.open_regular`):
+    MarketDataError naming the path unless it is a regular file (OSError, e.g. FileNotFoundError,
+    when it cannot be opened at all)."""
+    return paths.open_regular(path, what="data file", error=MarketDataError)
 
 
 def as_path(name: str, value: Any) -> Path:

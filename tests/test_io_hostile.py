@@ -248,8 +248,8 @@ def test_a_fifo_or_device_is_refused_without_blocking(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     lines = done.stdout.splitlines()
     assert done.returncode == 0, done.stderr
-    assert lines == [f"{fifo}: not a safetensors file: it is a FIFO, socket or device, not a regular file",
-                     "/dev/zero: not a safetensors file: it is a FIFO, socket or device, not a regular file",
+    assert lines == [f"{fifo}: not a safetensors file: it is a FIFO, not a regular file",
+                     "/dev/zero: not a safetensors file: it is a device or other special file, not a regular file",
                      f"{tmp_path}: not a safetensors file: it is a directory, not a regular file"]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from typing import Any
+from typing import Any, BinaryIO
 
 from .errors import CheckpointError
 
@@ -93,19 +93,33 @@ def check_inside(path: str, folder: str, what: str = "the model directory") -> N
                               f"inside it are read")
 
 
-def read_regular(path: str, limit: int) -> bytes:
-    """The bytes of the regular file at ``path``, at most ``limit`` of them. It is opened
-    non-blocking (a FIFO swapped in after a check never hangs the open) and checked on the open
-    descriptor; CheckpointError naming ``path`` for a non-regular or too large file."""
+def open_regular(path: str | os.PathLike, *, what: str = "", error: type[Exception] = CheckpointError,
+                 buffering: int = -1) -> tuple[BinaryIO, int]:
+    """``path`` opened for binary reading, and its size. It is opened non-blocking (a FIFO or a
+    device, even one swapped in after a check, never hangs the open) and checked on the open
+    descriptor: ``error`` naming ``path`` (and ``what`` it should be) unless it is a regular file;
+    OSError (e.g. FileNotFoundError) when it cannot be opened at all."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{path}: {_kind(info.st_mode)}, not a regular file")
-        if info.st_size > limit:
-            raise CheckpointError(f"{path}: {info.st_size} bytes, more than the {limit} this file may hold")
+            expected = f"not a {what}: it is " if what else ""
+            raise error(f"{path}: {expected}{_kind(info.st_mode)}, not a regular file")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering), info.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The bytes of the regular file at ``path`` (:func:`open_regular`), at most ``limit`` of them;
+    CheckpointError naming ``path`` for a non-regular or too large file."""
+    f, size = open_regular(path, buffering=0)
+    with f:
+        if size > limit:
+            raise CheckpointError(f"{path}: {size} bytes, more than the {limit} this file may hold")
         chunks, size = [], 0
         while size <= limit:
             chunk = f.read(min(limit + 1 - size, 1 << 24))

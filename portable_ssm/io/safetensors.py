@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import struct
 from collections.abc import Mapping
 from typing import Any, BinaryIO, NamedTuple
@@ -33,6 +32,7 @@ import numpy as np
 
 from .atomic import replace_atomically
 from .errors import CheckpointError
+from .paths import open_regular
 from .strict_json import SHORT, loads
 
 #: safetensors dtype -> little-endian numpy dtype (BF16: its raw bits), in the order the
@@ -74,23 +74,6 @@ class _Entry(NamedTuple):
 def _stored_name(kind: str) -> str:
     """The dtype name of a safetensors dtype (``"BF16"`` -> ``"bfloat16"``, ``"I64"`` -> ``"int64"``)."""
     return "bfloat16" if kind == "BF16" else np.dtype(_DTYPES[kind]).name
-
-
-def _open_regular(path: str) -> tuple[BinaryIO, int]:
-    """``path`` opened for reading, and its size; CheckpointError when it is not a regular file.
-    Opened non-blocking first so that a FIFO or a device cannot hang the open."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            what = "a directory" if stat.S_ISDIR(info.st_mode) else "a FIFO, socket or device"
-            raise CheckpointError(f"{path}: not a safetensors file: it is {what}, not a regular file")
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=0), info.st_size
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def _read_exactly(f: BinaryIO, view: memoryview) -> int:
@@ -210,7 +193,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
     """The JSON header of the safetensors file at ``path``, fully validated (see the module
     docstring): ``(header, data_start)``. CheckpointError naming the file and the tensor otherwise."""
     path = os.fspath(path)
-    f, size = _open_regular(path)
+    f, size = open_regular(path, what="safetensors file", buffering=0)
     with f:
         header, _, data_start = _header(path, f, size)
     return header, data_start
@@ -224,7 +207,7 @@ def read_safetensors(path: str | os.PathLike) -> Contents:
     or key when the file is truncated, corrupt or hostile (see the module docstring).
     """
     path = os.fspath(path)
-    f, size = _open_regular(path)
+    f, size = open_regular(path, what="safetensors file", buffering=0)
     arrays, dtypes = {}, {}
     with f:
         header, entries, data_start = _header(path, f, size)
