@@ -60,8 +60,9 @@ from .threads import blas_sgemm, row_ranges, run_all, workers
 #: The library's C++ source under :data:`.cpu_source.SOURCE_DIR` (it includes ``shared.h``).
 SOURCE_FILE = "numpy_kernels.cpp"
 
-#: The flags: the shared SIMD ones, as a position-independent shared library.
-CXXFLAGS = (*SIMD_FLAGS, "-std=c++17", "-shared", "-fPIC")
+#: The flags: the shared SIMD ones, as a position-independent shared library with OpenMP (the
+#: whole-model decode step's parallel region, :mod:`.decode`).
+CXXFLAGS = (*SIMD_FLAGS, "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 #: Heads per pass of the native scan (NumPy's loop and this one's work items): a block's state and a
 #: chunk's decays stay in L2.
 SCAN_HEAD_BLOCK = 12
@@ -78,6 +79,7 @@ _SIGNATURES = {
                                     _INT, _INT],
     "portable_ssm_scan_forward": [_POINTER, _POINTER, ctypes.c_double, _INT, _INT],
     "portable_ssm_row_product": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
+    "portable_ssm_decode_model": [_POINTER, _POINTER, ctypes.c_double, ctypes.c_double, ctypes.c_double, _INT],
 }
 _RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double}
 
