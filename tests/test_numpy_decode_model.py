@@ -129,3 +129,25 @@ def test_numpy_decode_hook_declines_float64_and_variants_the_kernel_does_not_com
     _, state64 = ps.lm.logits(np.array([[1, 2]]), params64, config=config64, return_state=True)
     got, _ = ps.lm.logits_step(np.array([2]), state64, params64, config=config64)
     assert calls == [] and got.dtype == np.float64
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_numpy_step_of_rows_in_place_equals_the_step_with_new_states(library, threads):
+    config, params, token, state = _model("float32", ngroups=1)
+    model = decode.plan(params, config)
+    rng = np.random.default_rng(5)
+    batch = ps.Mamba2State(*([rng.standard_normal((3, *s.shape[1:])).astype(np.float32) for s in states]
+                             for states in state))  # [3, ...] per layer
+    x = rng.standard_normal((2, config.d_model)).astype(np.float32)
+    rows = np.array([2, 0])
+    want = [decode.decode_model(x[j:j + 1], [a[r:r + 1] for a in batch.conv], [a[r:r + 1] for a in batch.ssm],
+                                model, threads=1) for j, r in enumerate(rows)]
+    untouched = [a[1].copy() for a in (*batch.conv, *batch.ssm)]
+    logits = decode.decode_rows_in_place(x, list(batch.conv), list(batch.ssm), rows, model, threads=threads)
+    for j, r in enumerate(rows):
+        assert np.array_equal(logits[j], want[j][0][0])
+        for whole, new in zip((*batch.conv, *batch.ssm), (*want[j][1], *want[j][2])):
+            assert np.array_equal(whole[r], new[0])
+    assert all(np.array_equal(a[1], b) for a, b in zip((*batch.conv, *batch.ssm), untouched))
+    with pytest.raises(ValueError, match=r"rows must be 2 integers in \[0, 3\)"):
+        decode.decode_rows_in_place(x, list(batch.conv), list(batch.ssm), np.array([0, 3]), model)

@@ -140,7 +140,10 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t threa
 // call per kernel forked and joined the threads four times, with dispatch and allocations, between
 // them. Each thread keeps its own copy of the residual and of the normed rows (the same arithmetic
 // on the same values: the same floats), takes a share of each product's rows and of the heads, and
-// computes the conv of the groups' B and C channels itself (thread 0 writes their new window).
+// computes the conv of the groups' B and C channels itself (thread 0 writes their new window once
+// every thread has read the old one). Each state entry is read before it is written, by the thread
+// that writes it, or before a barrier that precedes the write: the new states may be the old ones
+// (new_conv == conv_state and Hn == H: updated in place).
 inline void decode_model_run(const float* x0, int64_t d, const LayerView* views, int64_t layers,
                              const float* final_norm, const RowWeight& lm_head, float* out, double eps, float lo,
                              float hi, int64_t g, int64_t p, int threads) {
@@ -167,8 +170,7 @@ inline void decode_model_run(const float* x0, int64_t d, const LayerView* views,
 #pragma omp barrier
       const float* xBC = zxbcdt.data() + d_inner;  // [x (d_inner), B (g·n), C (g·n)]
       conv_step(L.conv_state + d_inner * k, xBC + d_inner, L.conv_w + d_inner * k,
-                L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, t == 0 ? L.new_conv + d_inner * k : spare.data(),
-                bc.data(), k, 2 * g * n);
+                L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, spare.data(), bc.data(), k, 2 * g * n);
       const auto [h0, h1] = share(L.h, t, team, 1);
       conv_step(L.conv_state + h0 * p * k, xBC + h0 * p, L.conv_w + h0 * p * k,
                 L.conv_b == nullptr ? nullptr : L.conv_b + h0 * p, L.new_conv + h0 * p * k, act.data() + h0 * p, k,
@@ -182,6 +184,7 @@ inline void decode_model_run(const float* x0, int64_t d, const LayerView* views,
       }
       _mm_sfence();  // the streamed rows are visible before the step returns
 #pragma omp barrier
+      if (t == 0) std::copy(spare.data(), spare.data() + 2 * g * n * k, L.new_conv + d_inner * k);  // read by none now
       norm_rows(y.data(), d_inner, nullptr, 0, L.gate_norm, gated.data(), d_inner, d_inner / g, eps, 0, 1);
       const auto [o0, o1] = share(d, t, team, 8);
       row_share(L.out, gated.data(), hidden.data(), o0, o1);

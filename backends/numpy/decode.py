@@ -7,6 +7,8 @@ ctypes calls a layer.
 - :func:`plan`: a model's arrays checked and gathered into the library's size and pointer tables,
   ValueError naming the first array that does not fit;
 - :func:`decode_model`: one step on a plan, ``(logits [1, rows], new conv states, new ssm states)``;
+- :func:`decode_rows_in_place`: that step for rows of a batch of states one after another, each
+  updated in place (a market stream's per-bar update);
 - :func:`decode_model_hook`: the backend's ``decode_model`` fast op (``portable_ssm.lm.decode``):
   the step for the variant the kernel computes, None for any other (the core's array-API step
   runs, the reference it is tested against) or where the kernels are off.
@@ -169,20 +171,69 @@ def decode_model(x: np.ndarray, conv_states: list[np.ndarray], ssm_states: list[
     for i in range(layers):
         _float32(conv_states[i], f"conv_states[{i}]", model.conv_shapes[i])
         _float32(ssm_states[i], f"ssm_states[{i}]", model.ssm_shapes[i])
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"decode_model: threads must be a positive int or None, got {threads!r}")
+    _check_threads(threads)
     new_convs = [_aligned_empty(s) for s in model.conv_shapes]
     new_ssms = [_aligned_empty(s) for s in model.ssm_shapes]
     logits = np.empty((1, model.vocab), dtype=np.float32)
+    addresses = [[a.ctypes.data for a in group] for group in zip(conv_states, ssm_states, new_convs, new_ssms)]
+    _call(lib, model, x.ctypes.data, logits.ctypes.data, np.array(addresses, dtype=np.uintp), threads)
+    return logits, new_convs, new_ssms
+
+
+def _call(lib: Any, model: Plan, x: int, logits: int, states: np.ndarray, threads: int | None) -> None:
+    """The library's step on ``model`` for the row at address ``x`` into ``logits``, ``states [layers,
+    4]`` the addresses of each layer's conv state, ssm state, new conv state and new ssm state."""
     pointers = model.pointers.copy()
-    pointers[0], pointers[4] = x.ctypes.data, logits.ctypes.data
-    slots = np.add.outer(_HEAD_POINTERS + _LAYER_POINTERS * np.arange(layers), _STATE_SLOTS)  # [layers, 4]
-    pointers[slots] = [[a.ctypes.data for a in group]
-                       for group in zip(conv_states, ssm_states, new_convs, new_ssms)]
+    pointers[0], pointers[4] = x, logits
+    pointers[_slots(len(model.conv_shapes))] = states
     low, high = model.dt_limit
     lib.portable_ssm_decode_model(model.sizes.ctypes.data, pointers.ctypes.data, model.eps, low, high,
                                   workers() if threads is None else threads)
-    return logits, new_convs, new_ssms
+
+
+def _slots(layers: int) -> np.ndarray:
+    """The per-call pointers' places in the table: ``[layers, 4]``."""
+    return np.add.outer(_HEAD_POINTERS + _LAYER_POINTERS * np.arange(layers), _STATE_SLOTS)
+
+
+def _check_threads(threads: int | None) -> None:
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"decode_model: threads must be a positive int or None, got {threads!r}")
+
+
+def decode_rows_in_place(x: np.ndarray, conv_states: list[np.ndarray], ssm_states: list[np.ndarray],
+                         rows: np.ndarray, model: Plan, threads: int | None = None) -> np.ndarray | None:
+    """:func:`decode_model` for ``k`` rows one after another, each with its own state updated in
+    place: ``x [k, d_model]`` and row ``rows[j]`` of every layer's ``conv_states[i] [N, conv_dim,
+    d_conv]`` and ``ssm_states[i] [N, nheads, headdim, d_state]`` (contiguous float32; ``rows``
+    integers in ``[0, N)``) -> ``logits [k, rows of the head]``, no state copied (a stream's
+    per-bar update). None where the kernels are off or not built. ValueError naming what does not fit."""
+    lib = kernels.library()
+    if lib is None:
+        return None
+    k = x.shape[0] if isinstance(x, np.ndarray) and x.ndim == 2 else -1
+    _float32(x, "x", (max(k, 0), model.d_model))
+    layers = len(model.conv_shapes)
+    for name, given in (("conv_states", conv_states), ("ssm_states", ssm_states)):
+        if len(given) != layers:
+            raise ValueError(f"decode_model: {name} must hold one array per layer ({layers}), got {len(given)}")
+    batch = getattr(conv_states[0], "shape", (0,))[0] if layers else 0
+    for i in range(layers):
+        _float32(conv_states[i], f"conv_states[{i}]", (batch, *model.conv_shapes[i][1:]))
+        _float32(ssm_states[i], f"ssm_states[{i}]", (batch, *model.ssm_shapes[i][1:]))
+    rows = np.asarray(rows)
+    if (rows.dtype == np.bool_ or not np.issubdtype(rows.dtype, np.integer) or rows.shape != (k,)
+            or (k and (rows.min() < 0 or rows.max() >= batch))):
+        raise ValueError(f"decode_model: rows must be {k} integers in [0, {batch}), got {rows.dtype} {rows.shape}")
+    _check_threads(threads)
+    logits = np.empty((k, model.vocab), dtype=np.float32)
+    bases = np.array([[a.ctypes.data, b.ctypes.data] for a, b in zip(conv_states, ssm_states)], dtype=np.uintp)
+    widths = np.array([[a[0].nbytes if batch else 0, b[0].nbytes if batch else 0]
+                       for a, b in zip(conv_states, ssm_states)], dtype=np.uintp)
+    for j, r in enumerate(rows.tolist()):
+        here = bases + widths * np.uintp(r)  # [layers, 2]: the row's states, read and written in place
+        _call(lib, model, x[j].ctypes.data, logits[j].ctypes.data, np.concatenate([here, here], axis=1), threads)
+    return logits
 
 
 #: The plan :func:`decode_model_hook` last made: ``{(config, names, ids of the values): (weak
@@ -191,7 +242,7 @@ def decode_model(x: np.ndarray, conv_states: list[np.ndarray], ssm_states: list[
 _PLANS: dict[tuple[Any, ...], tuple[list[Any], Plan]] = {}
 
 
-def _known_plan(params: dict[str, Any], config: Mamba2Config) -> Plan | None:
+def known_plan(params: dict[str, Any], config: Mamba2Config) -> Plan | None:
     """:func:`plan` of ``params``, remembered for the params last asked about (the same names and
     the same live objects); None where it refuses them."""
     key = (config, tuple(params), tuple(map(id, params.values())))
@@ -217,7 +268,7 @@ def decode_model_hook(x: Any, state: Mamba2State, params: dict[str, Any],
     runs) or where the kernels are off. Returns ``(logits [1, rows], new state)``."""
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape[0] != 1 or kernels.library() is None:
         return None
-    model = _known_plan(params, config)
+    model = known_plan(params, config)
     if model is None:
         return None
     contiguous = [[np.ascontiguousarray(s) for s in states] for states in (state.conv, state.ssm)]
