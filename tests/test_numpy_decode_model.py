@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from portable_ssm.backends import cpu_source
 from portable_ssm.backends import numpy as backend
 from portable_ssm.backends.cpu_source import ENV
 from portable_ssm.backends.numpy import decode, kernels
@@ -15,7 +16,7 @@ _SMALL_LM = dict(d_model=32, n_layer=2, d_state=16, headdim=16, ngroups=2, vocab
 
 
 @pytest.fixture
-def library():
+def library(cpu_isa):
     lib = kernels.library()
     if lib is None:
         pytest.skip("NumPy's CPU kernels: not usable here (an x86-64 CPU with AVX2 and FMA and a C++ compiler)")
@@ -151,3 +152,17 @@ def test_numpy_step_of_rows_in_place_equals_the_step_with_new_states(library, th
     assert all(np.array_equal(a[1], b) for a, b in zip((*batch.conv, *batch.ssm), untouched))
     with pytest.raises(ValueError, match=r"rows must be 2 integers in \[0, 3\)"):
         decode.decode_rows_in_place(x, list(batch.conv), list(batch.ssm), np.array([0, 3]), model)
+
+
+def test_each_instruction_set_has_its_own_library_and_a_bad_one_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(cpu_source.ISA_ENV, "avx2")
+    avx2 = kernels.library_path("c++")
+    monkeypatch.setattr(cpu_source, "cpu_features", lambda: dict.fromkeys(cpu_source.ISA_FEATURES["avx512"], True))
+    monkeypatch.setenv(cpu_source.ISA_ENV, "avx512")
+    assert kernels.library_path("c++") != avx2 and "-mavx512f" in kernels.flags()
+    monkeypatch.setattr(cpu_source, "cpu_features", lambda: {"AVX2": True, "FMA3": True})
+    with pytest.warns(RuntimeWarning, match="lacks AVX512F"):
+        assert kernels.library_path("c++") == avx2
+    monkeypatch.setenv(cpu_source.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match="PORTABLE_SSM_CPU_ISA"):
+        kernels.library_path("c++")

@@ -52,7 +52,7 @@ import numpy as np
 
 from portable_ssm import ssd
 
-from ..cpu_source import ENV, SIMD_FLAGS, head_block, source_key, source_path
+from ..cpu_source import ENV, SIMD_FLAGS, head_block, isa, simd_flags, source_key, source_path
 from ..kernel_cache import CACHE_ENV as CACHE_ENV  # the cache folder's variable, as before
 from ..kernel_cache import cache_dir, damage, locked, store
 from .threads import blas_sgemm, row_ranges, run_all, workers
@@ -60,9 +60,11 @@ from .threads import blas_sgemm, row_ranges, run_all, workers
 #: The library's C++ source under :data:`.cpu_source.SOURCE_DIR` (it includes ``shared.h``).
 SOURCE_FILE = "numpy_kernels.cpp"
 
-#: The flags: the shared SIMD ones, as a position-independent shared library with OpenMP (the
-#: whole-model decode step's parallel region, :mod:`.decode`).
-CXXFLAGS = (*SIMD_FLAGS, "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+#: The flags after the SIMD ones (:func:`.cpu_source.simd_flags`): a position-independent shared
+#: library with OpenMP (the whole-model decode step's parallel region, :mod:`.decode`).
+LIBRARY_FLAGS = ("-std=c++17", "-shared", "-fPIC", "-fopenmp")
+#: The flags of the default (AVX2) build.
+CXXFLAGS = (*SIMD_FLAGS, *LIBRARY_FLAGS)
 #: Heads per pass of the native scan (NumPy's loop and this one's work items): a block's state and a
 #: chunk's decays stay in L2.
 SCAN_HEAD_BLOCK = 12
@@ -84,7 +86,7 @@ _SIGNATURES = {
 _RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double}
 
 _LOCK = threading.Lock()
-_LOADED: list[ctypes.CDLL | None] = []  # empty until the first build attempt, then the library or None
+_LOADED: dict[str, ctypes.CDLL | None] = {}  # per build (isa): the library or None, after its first attempt
 
 
 def _cpu_has_avx2() -> bool:
@@ -121,7 +123,12 @@ def library_path(cxx: str) -> Path:
     """Where the library built by ``cxx`` is cached: ``numpy_kernels_<key>.so`` under
     :func:`.kernel_cache.cache_dir`, the key (:func:`.cpu_source.source_key`) covering every source
     file, the flags, the compiler and the machine."""
-    return cache_dir() / f"numpy_kernels_{source_key(*CXXFLAGS, cxx, platform.machine())}.so"
+    return cache_dir() / f"numpy_kernels_{source_key(*flags(), cxx, platform.machine())}.so"
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler's flags for the build :func:`.cpu_source.isa` picks (:data:`CXXFLAGS` for avx2)."""
+    return (*simd_flags(), *LIBRARY_FLAGS)
 
 
 def _build(cxx: str, target: Path) -> None:
@@ -133,7 +140,7 @@ def _build(cxx: str, target: Path) -> None:
           flush=True)
     with tempfile.TemporaryDirectory() as work:
         built = Path(work) / target.name
-        result = subprocess.run([cxx, *CXXFLAGS, str(source), "-o", str(built)], capture_output=True, text=True,
+        result = subprocess.run([cxx, *flags(), str(source), "-o", str(built)], capture_output=True, text=True,
                                 timeout=600, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{Path(cxx).name} exited with {result.returncode}: "
@@ -198,10 +205,14 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they may not or could not be used (built once per process)."""
     if not enabled():
         return None
+    build = isa()
+    loaded = _LOADED.get(build, False)
+    if loaded is not False:
+        return loaded
     with _LOCK:
-        if not _LOADED:
-            _LOADED.append(_load())
-    return _LOADED[0]
+        if build not in _LOADED:
+            _LOADED[build] = _load()
+    return _LOADED[build]
 
 
 def _float32_channels(a: np.ndarray) -> bool:
