@@ -7,6 +7,7 @@ Rounds alternate the paths (4 steps each in turn), so all share the machine's lo
 medians in ms a step. Tooling, not a test: nothing is asserted.
 
     python benchmarks/numpy_decode_model.py --threads 2 --rounds 10
+    python benchmarks/numpy_decode_model.py --threads 1 --no-torch --isa-ab   # the avx512 build beside
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads of both backends")
     parser.add_argument("--rounds", type=int, default=10, help="rounds of 4 steps of each path")
     parser.add_argument("--kinds", default="float32,int8,bfloat16", help="comma list of weight kinds")
+    parser.add_argument("--isa-ab", action="store_true",
+                        help="also NumPy's whole-model step of the avx512 build (PORTABLE_SSM_CPU_ISA=avx512)")
     parser.add_argument("--no-torch", action="store_true",
                         help="NumPy's two paths only, torch not imported (its OpenMP runtime not loaded)")
     args = parser.parse_args()
@@ -54,10 +57,20 @@ def main() -> None:
             numpy_backend.FAST_OPS["decode_model"] = hook
 
     versions = f"numpy {np.__version__}, torch {'-' if torch is None else torch.__version__}"
+    @contextlib.contextmanager
+    def avx512() -> Iterator[None]:
+        os.environ["PORTABLE_SSM_CPU_ISA"] = "avx512"
+        try:
+            yield
+        finally:
+            del os.environ["PORTABLE_SSM_CPU_ISA"]
+
     print(f"{versions}, {args.threads} threads, {args.rounds} rounds of 4 steps each, ms a step")
     for kind in args.kinds.split(","):
         params = {"numpy": ps.quantize(base, kind)}
         paths = {"numpy whole model": ("numpy", contextlib.nullcontext), "numpy per layer": ("numpy", per_layer)}
+        if args.isa_ab:
+            paths["numpy whole model avx512"] = ("numpy", avx512)
         states, tokens = {}, {"numpy": ids[:, -1]}
         if torch is not None:
             params["torch"] = ps.quantize({k: torch.from_numpy(v) for k, v in base.items()}, kind)
