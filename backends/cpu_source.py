@@ -8,7 +8,9 @@ NumPy's native paths call through ctypes (:mod:`portable_ssm.backends.numpy.kern
 pool over the rows); both call ``conv_silu_steps`` and ``norm_rows`` for the conv with SiLU and the
 gated RMSNorm, ``row_products`` for a batch-1 decode step's products with float32, int8 or bfloat16
 weights and ``scan_forward_item`` (with their own matrix product) for the chunked scan, over work
-items of :func:`head_block` heads, so the two backends compute them with the same code. A build is
+items of :func:`head_block` heads, and ``cpu/decode_model.h``'s ``decode_model_run`` for a language
+model's whole batch-1 decode step, so the two backends compute them with the same code.
+:data:`ISA_ENV` picks the instruction set they are built for (:func:`isa`). A build is
 named by :func:`source_key`, which covers every source file's name and contents and the flags, so a
 changed header builds both again."""
 

@@ -88,9 +88,10 @@ from .kernel_cache import damage, record
 #: The ops' C++ source under :data:`.cpu_source.SOURCE_DIR` (it includes ``shared.h``).
 SOURCE_FILE = "torch_ops.cpp"
 
-#: The compiler's flags: AVX2 and FMA code; OpenMP, so ``at::parallel_for`` splits the rows over
+#: The compiler's flags: AVX2 and FMA code (the avx512 build where ``PORTABLE_SSM_CPU_ISA`` asks for
+#: it at import, :func:`.cpu_source.isa`); OpenMP, so ``at::parallel_for`` splits the rows over
 #: torch's threads (the symbols resolve to the OpenMP runtime torch has loaded; none is linked).
-CFLAGS = (*simd_flags(), "-fopenmp")  # the build PORTABLE_SSM_CPU_ISA picks (cpu_source.isa) at import
+CFLAGS = (*simd_flags(), "-fopenmp")
 #: Weight dtypes the kernel reads.
 WEIGHT_DTYPES = (torch.float32, torch.int8, torch.bfloat16)
 

@@ -3,6 +3,10 @@ shared C++ torch's op runs) against the core's array-API step, its reference twi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from portable_ssm.backends import cpu_source
@@ -166,3 +170,11 @@ def test_each_instruction_set_has_its_own_library_and_a_bad_one_is_refused_by_na
     monkeypatch.setenv(cpu_source.ISA_ENV, "sse2")
     with pytest.raises(ValueError, match="PORTABLE_SSM_CPU_ISA"):
         kernels.library_path("c++")
+
+
+def test_torch_kernels_take_the_asked_instruction_set_at_import(cpu_isa):
+    pytest.importorskip("torch")
+    code = "from portable_ssm.backends import torch_kernels; print(' '.join(torch_kernels.CFLAGS))"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, cpu_source.ISA_ENV: cpu_isa})
+    assert ("-mavx512f" in shown.stdout.split()) == (cpu_isa == "avx512")

@@ -16,12 +16,15 @@ VM). A batch-1 decode step's products with int8 or bfloat16 weights (one float32
 ``row_products``, the row kernel of torch's decode) widen each weight as they read it, where NumPy's
 path widens the weight tile by tile into float32 and multiplies those: the 130m LM's step went from
 58 to 26 ms (int8) and from 84 to 33 ms (bfloat16) on a 2-core VM. Float32 weights keep OpenBLAS's
-sgemv, which reads them about as fast as that kernel.
+sgemv, which reads them about as fast as that kernel. The whole batch-1 step of a language model
+goes through ``portable_ssm_decode_model`` (``decode_model_run`` of ``backends/cpu/decode_model.h``,
+torch's whole-model step, one OpenMP region of :func:`.threads.workers` threads; :mod:`.decode`).
 
 The library is compiled on first use with the C++ compiler (``$CXX``, else ``c++``, ``g++`` or
 ``clang++``; a few seconds, once) and cached as ``numpy_kernels_<hash>.so`` under
 ``$PORTABLE_SSM_CACHE`` (default ``$XDG_CACHE_HOME/portable_ssm``, i.e. ``~/.cache/portable_ssm``), the
-hash covering every source file, the flags and the compiler, beside a record of its size and sha256
+hash covering every source file, the flags (``PORTABLE_SSM_CPU_ISA`` picks the avx2 or avx512 build,
+:func:`.cpu_source.isa`) and the compiler, beside a record of its size and sha256
 (:mod:`portable_ssm.backends.kernel_cache`: each written to a temporary file, fsync'd and renamed
 into place). It is loaded only where it is a regular file of this user's, writable by no one else,
 whose size and sha256 are the record's: anything else (a truncated file, which ``dlopen`` would map
