@@ -8,11 +8,16 @@ NumPy's native paths call through ctypes (:mod:`portable_ssm.backends.numpy.kern
 pool over the rows); both call ``conv_silu_steps`` and ``norm_rows`` for the conv with SiLU and the
 gated RMSNorm, ``row_products`` for a batch-1 decode step's products with float32, int8 or bfloat16
 weights and ``scan_forward_item`` (with their own matrix product) for the chunked scan, over work
-items of :func:`head_block` heads, so the two backends compute them with the same code. A build is
+items of :func:`head_block` heads, and ``cpu/decode_model.h``'s ``decode_model_run`` for a language
+model's whole batch-1 decode step, so the two backends compute them with the same code.
+:data:`ISA_ENV` picks the instruction set they are built for (:func:`isa`). A build is
 named by :func:`source_key`, which covers every source file's name and contents and the flags, so a
 changed header builds both again."""
 
 import hashlib
+import os
+import warnings
+from functools import lru_cache
 from pathlib import Path
 
 #: The folder of the C++ sources: ``shared.h`` and one ``.cpp`` file per backend.
@@ -20,8 +25,52 @@ SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 #: The environment variable that turns the kernels off (``0``); anything else leaves them on.
 ENV = "PORTABLE_SSM_CPU_KERNELS"
 
-#: The compiler's flags for both: AVX2 and FMA code, optimized.
+#: The compiler's flags for both: AVX2 and FMA code, optimized (the ``avx2`` build of :func:`simd_flags`).
 SIMD_FLAGS = ("-O3", "-mavx2", "-mfma")
+
+#: The environment variable that picks the instruction set the kernels are built for: ``avx2`` (the
+#: default; what every AVX2 CPU runs) or ``avx512`` (the same source compiled for AVX-512 F/BW/VL/DQ
+#: as well: the compiler's own loops 512 bits wide and 32 vector registers; only where the CPU has
+#: them, else the AVX2 build with a warning). Each has its own build (the flags are in the key).
+ISA_ENV = "PORTABLE_SSM_CPU_ISA"
+#: The instruction-set flags of each build :data:`ISA_ENV` names.
+ISA_FLAGS = {"avx2": ("-mavx2", "-mfma"),
+             "avx512": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")}
+#: The CPU features (as NumPy's dispatcher names them) each build needs.
+ISA_FEATURES = {"avx2": ("AVX2", "FMA3"), "avx512": ("AVX2", "FMA3", "AVX512F", "AVX512BW", "AVX512VL", "AVX512DQ")}
+
+
+@lru_cache(maxsize=1)
+def cpu_features() -> dict[str, bool]:
+    """The CPU's features as NumPy's dispatcher found them (empty where NumPy does not say)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as features
+    except ImportError:  # NumPy 1.x
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__ as features
+        except ImportError:
+            return {}
+    return dict(features)
+
+
+def isa() -> str:
+    """The build :data:`ISA_ENV` asks for (``avx2`` unset or empty); ValueError naming it for any
+    other value; ``avx2`` with a warning where the CPU lacks a feature the asked one needs."""
+    asked = os.environ.get(ISA_ENV, "").strip().lower() or "avx2"
+    if asked not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}: expected one of {sorted(ISA_FLAGS)}, got {os.environ[ISA_ENV]!r}")
+    features = cpu_features()
+    missing = [f for f in ISA_FEATURES[asked] if not features.get(f)]
+    if asked != "avx2" and missing:
+        warnings.warn(f"portable_ssm: {ISA_ENV}={asked} but this CPU lacks {', '.join(missing)}; the kernels are "
+                      "built for avx2", RuntimeWarning, stacklevel=2)
+        return "avx2"
+    return asked
+
+
+def simd_flags() -> tuple[str, ...]:
+    """The compiler's optimization and instruction-set flags for the build :func:`isa` picks."""
+    return ("-O3", *ISA_FLAGS[isa()])
 
 
 def head_block(b: int, g: int, h: int, threads: int, most: int) -> int:

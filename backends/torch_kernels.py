@@ -82,15 +82,16 @@ import torch
 
 from portable_ssm import ssd
 
-from .cpu_source import ENV, SIMD_FLAGS, head_block, source_key, source_path
+from .cpu_source import ENV, head_block, simd_flags, source_key, source_path
 from .kernel_cache import damage, record
 
 #: The ops' C++ source under :data:`.cpu_source.SOURCE_DIR` (it includes ``shared.h``).
 SOURCE_FILE = "torch_ops.cpp"
 
-#: The compiler's flags: AVX2 and FMA code; OpenMP, so ``at::parallel_for`` splits the rows over
+#: The compiler's flags: AVX2 and FMA code (the avx512 build where ``PORTABLE_SSM_CPU_ISA`` asks for
+#: it at import, :func:`.cpu_source.isa`); OpenMP, so ``at::parallel_for`` splits the rows over
 #: torch's threads (the symbols resolve to the OpenMP runtime torch has loaded; none is linked).
-CFLAGS = (*SIMD_FLAGS, "-fopenmp")
+CFLAGS = (*simd_flags(), "-fopenmp")
 #: Weight dtypes the kernel reads.
 WEIGHT_DTYPES = (torch.float32, torch.int8, torch.bfloat16)
 

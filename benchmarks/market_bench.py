@@ -62,8 +62,20 @@ def _time_old(model, bars, warmup: int) -> dict[str, float]:
     return _summary(times[warmup:])
 
 
-def _time_new(model, bars, n: int, warmup: int) -> dict[str, float]:
-    stream = model.stream(list(range(n)))
+def _time_new(model, bars, n: int, warmup: int, kernels: bool = True) -> dict[str, float]:
+    """``MarketStream``'s bars; ``kernels=False``: made with the compiled kernels off (NumPy: ``NumpyStep``)."""
+    from portable_ssm.backends.cpu_source import ENV
+
+    saved = os.environ.get(ENV)
+    if not kernels:
+        os.environ[ENV] = "0"
+    try:
+        stream = model.stream(list(range(n)))
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
     ids = np.arange(n)
     rng = np.random.default_rng(n)
     jitter = np.exp(1e-4 * rng.standard_normal((len(bars), n)))  # [T, n]: each instrument its own prices
@@ -91,6 +103,10 @@ def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int) -> 
             rows.append({"backend": backend, "path": "StreamPredictor (old)", "n": 1, **_time_old(model, feed, warmup)})
             for n in instruments:
                 feed = synthetic_bars("planted", bars_per_n.get(n, 50) + warmup, seed=0)
+                if backend == "numpy":  # the step before NumPy's compiled whole-model decode
+                    rows.append({"backend": backend, "path": "MarketStream, NumpyStep", "n": n,
+                                 **_time_new(model, feed, n, warmup, kernels=False)})
+                    print(json.dumps(rows[-1]), file=sys.stderr)
                 rows.append({"backend": backend, "path": "MarketStream (new)", "n": n,
                              **_time_new(model, feed, n, warmup)})
                 print(json.dumps(rows[-1]), file=sys.stderr)

@@ -9,10 +9,13 @@ alone, as :meth:`MarketModel.predict` returns NaN for row 0. Instruments join (:
 leave (:meth:`remove`) between updates; the others' states are untouched.
 
 The step (``fast=True``, the default) takes the fastest exact path each backend has: on NumPy
-:class:`~portable_ssm.market.numpy_step.NumpyStep` (weights prepared once, the state updated in
-place); on PyTorch (CPU, float32) each row goes through the backend's compiled whole-model
-decode (``decode_model`` of ``portable_ssm.backends.torch``: every layer, the final norm and the
-head in one native call, batch 1) where it is built, its state row written back in place.
+its compiled whole-model decode (:func:`portable_ssm.backends.numpy.decode.decode_rows_in_place`:
+every layer, the final norm and the head in one native call per row, the state updated in place)
+where the kernels are built, else :class:`~portable_ssm.market.numpy_step.NumpyStep` (weights
+prepared once, the state updated in place); on PyTorch (CPU, float32) each row goes through the
+backend's compiled whole-model decode (``decode_model`` of ``portable_ssm.backends.torch``: every
+layer, the final norm and the head in one native call, batch 1) where it is built, its state row
+written back in place.
 Otherwise, and with ``fast=False``, it is :func:`portable_ssm.step`, the reference; tests hold
 every path to the batch forward within float32 rounding.
 """
@@ -80,6 +83,7 @@ class MarketStream:
         self._seen = np.zeros(0, bool)  # [N]: whether the row has had a bar
         self.state: Mamba2State | None = None  # batch N, rows in the order of ``instruments``
         self._native = self._native_decode() if fast else None
+        self._numpy_plan = self._numpy_decode_plan() if fast else None
         use_numpy = fast and self._backend == "numpy" and NumpyStep.supports({**params, **head}, config)
         self._numpy = NumpyStep(params, config) if use_numpy else None
         if len(instruments):
@@ -97,13 +101,32 @@ class MarketStream:
             return None
         from portable_ssm.backends import torch as torch_backend
 
-        params = {**self.params, "lm_head.weight": self.head["head.weight"]}  # the head as a one-row vocabulary
-        config = dataclasses.replace(self.config, tie_embeddings=False)
+        params, config = self._head_as_vocabulary()
 
         def decode(x: Any, state: Mamba2State) -> Any:
             return torch_backend.decode_model(x, state, params, config)
 
         return decode
+
+    def _head_as_vocabulary(self) -> tuple[dict[str, Any], Mamba2Config]:
+        """The backbone's params and config with the head as a one-row vocabulary (the LM decode's)."""
+        params = {**self.params, "lm_head.weight": self.head["head.weight"]}
+        return params, dataclasses.replace(self.config, tie_embeddings=False)
+
+    def _numpy_decode_plan(self) -> Any:
+        """The model as NumPy's compiled whole-model step reads it
+        (:func:`portable_ssm.backends.numpy.decode.plan`), or None: another backend, the kernels off
+        or not built, or a variant that step does not compute."""
+        if self._backend != "numpy":
+            return None
+        from portable_ssm.backends.numpy import decode, kernels
+
+        if kernels.library() is None:
+            return None
+        try:
+            return decode.plan(*self._head_as_vocabulary())
+        except ValueError:
+            return None
 
     def add(self, instrument_id: int) -> None:
         """A new instrument joins with a fresh state (its first bar gives no prediction)."""
@@ -179,6 +202,8 @@ class MarketStream:
         """Model outputs ``[k]`` of inputs ``x [k, F]`` (float32) for state rows ``rows [k]``."""
         xp = self._xp
         everyone = rows.size == len(self._ids) and (rows == np.arange(rows.size)).all()
+        if self._numpy_plan is not None:
+            return self._numpy_native_rows(rows, x)
         if self._numpy is not None:
             return self._numpy_step(rows, x, everyone)
         if self._native is not None:
@@ -214,6 +239,17 @@ class MarketStream:
                 whole[r:r + 1] = part
             out[j] = float(logits[0, 0] + self.head["head.bias"][0])
         return out
+
+    def _numpy_native_rows(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """:meth:`_step` through NumPy's compiled whole-model step, row by row, each row's state
+        updated in place (:func:`portable_ssm.backends.numpy.decode.decode_rows_in_place`)."""
+        from portable_ssm.backends.numpy import decode
+
+        if not all(a.flags.c_contiguous for a in (*self.state.conv, *self.state.ssm)):
+            self.state = Mamba2State(*(tuple(map(np.ascontiguousarray, part)) for part in self.state))
+        u = np.ascontiguousarray(_linear(x, self.head["inp.weight"], self.head["inp.bias"]), np.float32)  # [k, d]
+        logits = decode.decode_rows_in_place(u, list(self.state.conv), list(self.state.ssm), rows, self._numpy_plan)
+        return (logits[:, 0] + self.head["head.bias"][0]).astype(np.float64)
 
     def _numpy_step(self, rows: np.ndarray, x: np.ndarray, everyone: bool) -> np.ndarray:
         """:meth:`_step` through :class:`NumpyStep`, the state updated in place (its rows copied out

@@ -133,6 +133,20 @@ def numpy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return request.param
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each build of NumPy's compiled kernels ``PORTABLE_SSM_CPU_ISA`` picks: the AVX2 one on every
+    machine, the AVX-512 one where the CPU has it (skipped elsewhere), so both code paths are tested
+    on an AVX-512 machine."""
+    from portable_ssm.backends import cpu_source
+
+    missing = [f for f in cpu_source.ISA_FEATURES[request.param] if not cpu_source.cpu_features().get(f)]
+    if missing:
+        pytest.skip(f"the {request.param} build of the CPU kernels: this CPU lacks {', '.join(missing)}")
+    monkeypatch.setenv(cpu_source.ISA_ENV, request.param)
+    return request.param
+
+
 @pytest.fixture(params=["float32", "float64"])
 def dtype(request: pytest.FixtureRequest) -> str:
     return request.param

@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("databento_dbn")
+from portable_ssm.backends.cpu_source import ENV  # noqa: E402
+from portable_ssm.backends.numpy import kernels as numpy_kernels  # noqa: E402
 from portable_ssm.market import (  # noqa: E402
     FEATURES,
     Bars,
@@ -61,14 +63,20 @@ def test_a_saved_run_directory_loads_back_in_one_call_with_every_setting(tmp_pat
     assert np.isnan(back.predict(bars)[0]) and np.isfinite(back.predict(bars)[1:]).all()
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast path", "portable_ssm.step"])
-def test_streaming_many_instruments_joining_and_leaving_equals_the_batch_forward_of_each(xp, fast):
+@pytest.mark.parametrize(("fast", "kernels_on"), [(True, True), (True, False), (False, True)],
+                         ids=["fast path", "fast path without the compiled kernels", "portable_ssm.step"])
+def test_streaming_many_instruments_joining_and_leaving_equals_the_batch_forward_of_each(xp, fast, kernels_on,
+                                                                                         monkeypatch):
+    if not kernels_on:
+        monkeypatch.setenv(ENV, "0")
     model = _model(xp.name, xp.device)
     series = {3: synthetic_bars("planted", 30, seed=1), 9: _with_nan(synthetic_bars("planted", 30, seed=2), 12),
               4: synthetic_bars("random-walk", 30, seed=5)}
     joins, leaves = {3: 0, 9: 0, 4: 10}, {9: 25}  # 4 joins at bar 10; 9 leaves after bar 24
     stream = model.stream(instruments=[], fast=fast)
     assert (stream._numpy is not None) == (fast and xp.name == "numpy")
+    compiled = fast and xp.name == "numpy" and numpy_kernels.library() is not None  # NumPy's whole-model step
+    assert (stream._numpy_plan is not None) == compiled
     streamed: dict[int, list[float]] = {i: [] for i in series}
     for t in range(30):
         for i, at in joins.items():

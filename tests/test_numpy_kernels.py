@@ -22,7 +22,7 @@ from portable_ssm.norm import gated_rms_norm_ref
 
 
 @pytest.fixture
-def library():
+def library(cpu_isa):
     lib = kernels.library()
     if lib is None:
         pytest.skip("NumPy's CPU kernels: not usable here (an x86-64 CPU with AVX2 and FMA and a C++ compiler)")
@@ -104,12 +104,12 @@ def test_native_paths_take_the_kernels_only_in_float32_and_while_they_are_on(lib
 
 def test_the_library_is_built_once_into_the_cache_and_reused(library, tmp_path, monkeypatch):
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_LOADED", {})
     assert kernels.library() is not None
     built = list(tmp_path.glob("numpy_kernels_*.so"))
     assert len(built) == 1 and not list(tmp_path.glob("*.partial"))
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_LOADED", {})
     monkeypatch.setattr(kernels, "_build", lambda *a: pytest.fail("built again"))
     assert kernels.library() is not None
     assert built[0].stat().st_mtime_ns == stamp
@@ -121,7 +121,7 @@ def test_build_kernels_builds_the_library_ahead_and_says_where(library, tmp_path
     from portable_ssm.backends import kernel_build
 
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_LOADED", {})
     out = io.StringIO()
     assert kernel_build._numpy(out)
     (built,) = tmp_path.glob("numpy_kernels_*.so")
@@ -135,7 +135,7 @@ def test_the_cli_builds_the_kernels_ahead_with_build_kernels(library, tmp_path, 
     from portable_ssm.cli import main
 
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_LOADED", {})
     monkeypatch.setattr(kernel_build, "_torch", lambda out: print("torch: left out here", file=out) or True)
     assert main(["build-kernels"]) == 0
     (built,) = tmp_path.glob("numpy_kernels_*.so")
@@ -145,7 +145,7 @@ def test_the_cli_builds_the_kernels_ahead_with_build_kernels(library, tmp_path, 
 def test_a_failed_build_warns_and_leaves_the_ufunc_paths(tmp_path, monkeypatch):
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_LOADED", {})
     monkeypatch.setattr(kernels, "_cpu_has_avx2", lambda: True)
     x, w, bias, state = conv_inputs(2, 30, 8, 4, seed=1)
     with pytest.warns(RuntimeWarning, match="NumPy's CPU kernels could not be built .*no C\\+\\+ compiler"):
@@ -165,7 +165,7 @@ def test_a_compiler_error_names_the_compiler_and_leaves_no_partial_file(tmp_path
     script.chmod(0o755)
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(script))
-    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_LOADED", {})
     monkeypatch.setattr(kernels, "_cpu_has_avx2", lambda: True)
     with pytest.warns(RuntimeWarning, match="broken-c\\+\\+ exited with 3: error: broken on purpose"):
         assert kernels.library() is None
@@ -265,7 +265,7 @@ def test_compiled_scan_calls_a_blas_with_32_bit_integers_alike(compiled_scan, mo
 def test_a_cached_library_anyone_else_could_have_written_is_built_again_with_a_warning(library, tmp_path,
                                                                                      monkeypatch, planted):
     monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_LOADED", {})
     assert kernels.library() is not None
     (target,) = tmp_path.glob("numpy_kernels_*.so")
     target.unlink()
@@ -275,7 +275,7 @@ def test_a_cached_library_anyone_else_could_have_written_is_built_again_with_a_w
     else:
         target.write_bytes(b"not a library")
         target.chmod(0o666)
-    monkeypatch.setattr(kernels, "_LOADED", [])
+    monkeypatch.setattr(kernels, "_LOADED", {})
     with pytest.warns(RuntimeWarning, match="was damaged") as caught:
         assert kernels.library() is not None
     assert len(caught) == 1 and str(target) in str(caught[0].message)

@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_model.h"
 #include "shared.h"
 
 namespace {
@@ -94,6 +95,33 @@ double portable_ssm_scan_forward(const int64_t* sizes, void* const* pointers, do
   double total = 0.0;
   for (int64_t item = begin; item < end; ++item) total += scan_forward_item(view, item, gemm);
   return total;
+}
+
+// The whole-model batch-1 decode step (decode_model_run), its arrays checked by the caller
+// (backends/numpy/decode.py): sizes = {layers, d, g, p, head_out, head_kind} then per layer
+// {h, conv_dim, k, n, in_kind, out_kind, d_per_channel}; pointers = {x [d], norm_f [d], head,
+// head_scale, logits [head_out]} then per layer {norm, conv_state, conv_w, conv_b, dt_bias, A_log, D,
+// gate_norm, ssm_state, new_conv, new_ssm, in_w, in_scale, out_w, out_scale} (the scales and conv_b
+// may be null); weights' kinds 0: float32, 1: int8, 2: bfloat16 bits. threads: the team's size.
+void portable_ssm_decode_model(const int64_t* sizes, void* const* pointers, double eps, double low, double high,
+                               int64_t threads) {
+  const int64_t layers = sizes[0], d = sizes[1], g = sizes[2], p = sizes[3];
+  const auto f = [pointers](int64_t i) { return static_cast<float*>(pointers[i]); };
+  std::vector<LayerView> views(layers);
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t* s = sizes + 6 + 7 * i;
+    const int64_t at = 5 + 15 * i;
+    LayerView& v = views[i];
+    v.h = s[0], v.conv_dim = s[1], v.k = s[2], v.n = s[3], v.d_per_channel = s[6] != 0;
+    v.norm = f(at), v.conv_state = f(at + 1), v.conv_w = f(at + 2), v.conv_b = f(at + 3), v.dt_bias = f(at + 4);
+    v.A_log = f(at + 5), v.D = f(at + 6), v.gate_norm = f(at + 7), v.H = f(at + 8), v.new_conv = f(at + 9);
+    v.Hn = f(at + 10), v.stream = streams(v.Hn, v.n);
+    v.in = {pointers[at + 11], s[4], f(at + 12), v.h * p + v.conv_dim + v.h, d};
+    v.out = {pointers[at + 13], s[5], f(at + 14), d, v.h * p};
+  }
+  const RowWeight lm_head{pointers[2], sizes[5], f(3), sizes[4], d};
+  decode_model_run(f(0), d, views.data(), layers, f(1), lm_head, f(4), eps, static_cast<float>(low),
+                   static_cast<float>(high), g, p, static_cast<int>(threads));
 }
 
 }  // extern "C"

@@ -19,18 +19,10 @@
 #include <vector>
 #include <type_traits>
 
+#include "decode_model.h"
 #include "shared.h"
 
 namespace {
-
-// A weight [out, in] as the row kernel reads it: float32, int8 (times a float32 scale per row, or
-// none) or bfloat16 bits, contiguous.
-struct RowWeight {
-  const void* data;
-  at::ScalarType type;
-  const float* scale;
-  int64_t out, in;
-};
 
 inline RowWeight row_weight(const at::Tensor& weight, const c10::optional<at::Tensor>& scale, int64_t in,
                             const char* op, const std::string& name) {
@@ -46,16 +38,8 @@ inline RowWeight row_weight(const at::Tensor& weight, const c10::optional<at::Te
                 scale->is_contiguous(), op, ": ", name, "'s scale must be a contiguous float32 [", out, "]");
     s = scale->data_ptr<float>();
   }
-  return {weight.data_ptr(), type, s, out, in};
-}
-
-// y[r] = (w[r] · x)·scale[r] for the rows r in [begin, end) of w.
-inline void row_share(const RowWeight& w, const float* x, float* y, int64_t begin, int64_t end) {
-  switch (w.type) {
-    case at::kFloat: row_products(static_cast<const float*>(w.data), x, w.scale, y, w.in, begin, end); break;
-    case at::kChar: row_products(static_cast<const int8_t*>(w.data), x, w.scale, y, w.in, begin, end); break;
-    default: row_products(static_cast<const uint16_t*>(w.data), x, w.scale, y, w.in, begin, end); break;
-  }
+  const int64_t kind = type == at::kFloat ? kWeightF32 : type == at::kChar ? kWeightI8 : kWeightBF16;
+  return {weight.data_ptr(), kind, s, out, in};
 }
 
 at::Tensor row_gemv(const at::Tensor& row, const at::Tensor& weight, const c10::optional<at::Tensor>& scale) {
@@ -75,88 +59,12 @@ inline bool packed_rows(const at::Tensor& t) {
   return t.numel() == 0 || (t.stride(-1) == 1 && (t.size(-2) == 1 || t.stride(-2) == t.size(-1)));
 }
 
-// v[i] = silu(v[i]), in place.
-inline void silu_pass(float* v, int64_t count) {
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(v + i, silu8(_mm256_loadu_ps(v + i)));
-  for (; i < count; ++i) v[i] = silu1(v[i]);
-}
-// v[i] = (v[i] + d[i]·x[i])·silu(gate[i]), in place; d == nullptr: one d_all for every i.
-inline void skip_and_gate(float* v, const float* x, const float* d, float d_all, const float* gate, int64_t count) {
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    const __m256 dv = d == nullptr ? _mm256_set1_ps(d_all) : _mm256_loadu_ps(d + i);
-    const __m256 y = _mm256_fmadd_ps(dv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(v + i));
-    _mm256_storeu_ps(v + i, _mm256_mul_ps(y, silu8(_mm256_loadu_ps(gate + i))));
-  }
-  for (; i < count; ++i) v[i] = (v[i] + (d == nullptr ? d_all : d[i]) * x[i]) * silu1(gate[i]);
-}
 
 inline void check_f32(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.dim() == dim && t.scalar_type() == at::kFloat && t.is_contiguous(), "decode_step: ", name,
               " must be a contiguous float32 tensor of rank ", dim, ", got ", t.sizes(), " ", t.scalar_type());
 }
 
-// One row's conv step for `count` channels from cs [count, k] (the window), xin [count] (the new
-// inputs), taps w [count, k] and bias [count] (or null): the window shifted by the input into
-// ncs [count, k], act [count] = silu(taps · window + bias).
-inline void conv_step(const float* cs, const float* xin, const float* w, const float* bias, float* ncs, float* act,
-                      int64_t k, int64_t count) {
-  for (int64_t c = 0; c < count; ++c) {
-    const float* s = cs + c * k;
-    float* o = ncs + c * k;
-    float acc = 0.f;
-    for (int64_t j = 0; j + 1 < k; ++j) {
-      o[j] = s[j + 1];
-      acc += o[j] * w[c * k + j];
-    }
-    o[k - 1] = xin[c];
-    acc += xin[c] * w[c * k + k - 1];
-    act[c] = bias == nullptr ? acc : acc + bias[c];
-  }
-  silu_pass(act, count);
-}
-
-// One head of one row after the conv: Δ = clamp(softplus(dt + dt_bias), lo, hi), H' = exp(Δ·A)·H +
-// Δ·outer(x, B) into Hn [p, n] (streamed past the caches where `stream`), out [p] = (H' @ C + D·x)·silu(gate)
-// with D per channel (d [p]) or one d_all (d null).
-inline void head_step(float dt, float dt_bias, float A, float lo, float hi, const float* x, const float* B,
-                      const float* C, const float* H, float* Hn, bool stream, const float* d, float d_all,
-                      const float* gate, float* out, int64_t p, int64_t n) {
-  const float step = std::min(std::max(softplus1(dt + dt_bias), lo), hi);  // Δ
-  const float decay = std::exp(step * A);  // exp(Δ·A)
-  const __m256 vdecay = _mm256_set1_ps(decay);
-  for (int64_t i = 0; i < p; ++i) {  // H'[i, :] = decay·H[i, :] + Δ·x[i]·B, and H'[i, :] @ C
-    const float* hrow = H + i * n;
-    float* nrow = Hn + i * n;
-    const float feed = step * x[i];
-    const __m256 vfeed = _mm256_set1_ps(feed);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      if (j % 16 == 0) prefetch(hrow + j + kAheadBytes / sizeof(float));
-      __m256 v = _mm256_fmadd_ps(vfeed, _mm256_loadu_ps(B + j), _mm256_mul_ps(vdecay, _mm256_loadu_ps(hrow + j)));
-      if (stream) {
-        _mm256_stream_ps(nrow + j, v);
-      } else {
-        _mm256_storeu_ps(nrow + j, v);
-      }
-      acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(C + j), acc);
-    }
-    float dot = horizontal_sum(acc);
-    for (; j < n; ++j) {
-      nrow[j] = decay * hrow[j] + feed * B[j];
-      dot += nrow[j] * C[j];
-    }
-    out[i] = dot;
-  }
-  skip_and_gate(out, x, d, d_all, gate, p);
-}
-
-// Whether new states may be streamed past the caches (non-temporal stores): rows of n floats from
-// a 32-byte aligned buffer. They are read again only by the next token, after every weight has
-// passed through the caches, and ordinary stores would first read each line of the fresh buffer.
-inline bool streams(const float* Hn, int64_t n) { return reinterpret_cast<uintptr_t>(Hn) % 32 == 0 && n % 8 == 0; }
 
 // One token of one layer after in_proj (portable_ssm.mixer.decode_step_ref): the conv step and SiLU,
 // Δ = clamp(softplus(dt + dt_bias)), H' = exp(Δ·A)·H + Δ·outer(x, B), y = (H' @ C + D·x)·silu(z).
@@ -831,20 +739,6 @@ inline void check_vector(const at::Tensor& t, const std::string& name, int64_t s
               name, " must be a contiguous float32 [", size, "], got ", t.sizes(), " ", t.scalar_type());
 }
 
-// Layer i of decode_model in raw pointers: its tensors, new states and sizes, checked at the entry.
-struct LayerView {
-  const float *norm, *conv_state, *conv_w, *conv_b, *dt_bias, *A_log, *D, *gate_norm, *H;
-  float *new_conv, *Hn;
-  RowWeight in, out;
-  int64_t h, conv_dim, k, n;
-  bool d_per_channel, stream;
-};
-
-// Thread t's share [begin, end) of `count` items among `threads`, the bounds inside multiples of `align`.
-inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t threads, int64_t align) {
-  auto bound = [&](int64_t i) { return i == threads ? count : count * i / threads / align * align; };
-  return {bound(t), bound(t + 1)};
-}
 
 // One token through the whole language model at batch 1 (portable_ssm.lm.decode: the residual
 // blocks with their mixers' steps, norm_f and the head), from the embedded token x [1, d_model].
@@ -852,13 +746,7 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t threa
 // follows the gate (norm_before_gate=False). Weights are float32, int8 (with row scales) or
 // bfloat16; every other tensor float32. Returns (logits [1, rows], new conv states, new ssm states).
 //
-// Every check and allocation comes first; then one parallel region runs the whole token, its
-// threads meeting at three barriers a layer (in_proj's output complete, the heads' outputs
-// complete, out_proj's output complete) where a call per kernel forked and joined the threads
-// four times, with ATen's dispatch and allocations, between them. Each thread keeps its own copy
-// of the residual and of the normed rows (the same arithmetic on the same values: the same
-// floats), takes a share of each product's rows and of the heads, and computes the conv of the
-// groups' B and C channels itself (thread 0 writes their new window).
+// Every check and allocation comes first, then decode_model_run (decode_model.h) on ATen's thread count.
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_model(
     const at::Tensor& x, at::TensorList conv_states, at::TensorList ssm_states, at::TensorList norms,
     at::TensorList in_weights, const c10::List<c10::optional<at::Tensor>>& in_scales, at::TensorList conv_weights,
@@ -882,7 +770,6 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
   const int64_t d = x.size(1);
   std::vector<LayerView> views;
   std::vector<at::Tensor> convs, ssms;
-  int64_t widest = d, most_inner = 0, most_bc = 0, most_window = 0;  // the largest in_proj output, d_inner, B and C
   for (int64_t i = 0; i < layers; ++i) {
     const std::string at_ = "[" + std::to_string(i) + "]";
     LayerView v{};
@@ -926,60 +813,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> decode_
     v.new_conv = convs.back().data_ptr<float>(), v.Hn = ssms.back().data_ptr<float>();
     v.d_per_channel = D.dim() == 2, v.stream = streams(v.Hn, v.n);
     views.push_back(v);
-    widest = std::max(widest, v.in.out), most_inner = std::max(most_inner, d_inner);
-    most_bc = std::max(most_bc, 2 * g * v.n), most_window = std::max(most_window, 2 * g * v.n * v.k);
   }
   check_vector(norm_f, "norm_f", d);
   const RowWeight lm_head = row_weight(head, head_scale, d, "decode_model", "head");
   at::Tensor logits = at::empty({1, lm_head.out}, x.options());
-  std::vector<float> zxbcdt(widest), act(most_inner), y(most_inner), hidden(d);
-  const float *x0 = x.data_ptr<float>(), *final_norm = norm_f.data_ptr<float>();
-  float* out = logits.data_ptr<float>();
-  const float lo = static_cast<float>(low), hi = static_cast<float>(high);
   const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-    std::vector<float> residual(x0, x0 + d), normed(d), gated(most_inner), bc(most_bc), spare(most_window);
-    for (int64_t i = 0; i < layers; ++i) {
-      const LayerView& L = views[i];
-      const int64_t d_inner = L.h * p, k = L.k, n = L.n;
-      if (i > 0) {
-        for (int64_t c = 0; c < d; ++c) residual[c] += hidden[c];
-      }
-      norm_rows(residual.data(), d, nullptr, 0, L.norm, normed.data(), d, d, eps, 0, 1);
-      const auto [r0, r1] = share(L.in.out, t, team, 8);
-      row_share(L.in, normed.data(), zxbcdt.data(), r0, r1);
-#pragma omp barrier
-      const float* xBC = zxbcdt.data() + d_inner;  // [x (d_inner), B (g·n), C (g·n)]
-      conv_step(L.conv_state + d_inner * k, xBC + d_inner, L.conv_w + d_inner * k,
-                L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, t == 0 ? L.new_conv + d_inner * k : spare.data(),
-                bc.data(), k, 2 * g * n);
-      const auto [h0, h1] = share(L.h, t, team, 1);
-      conv_step(L.conv_state + h0 * p * k, xBC + h0 * p, L.conv_w + h0 * p * k,
-                L.conv_b == nullptr ? nullptr : L.conv_b + h0 * p, L.new_conv + h0 * p * k, act.data() + h0 * p, k,
-                (h1 - h0) * p);
-      for (int64_t hd = h0; hd < h1; ++hd) {
-        const int64_t group = hd / (L.h / g);
-        head_step(zxbcdt[d_inner + L.conv_dim + hd], L.dt_bias[hd], -std::exp(L.A_log[hd]), lo, hi,
-                  act.data() + hd * p, bc.data() + group * n, bc.data() + (g + group) * n, L.H + hd * p * n,
-                  L.Hn + hd * p * n, L.stream, L.d_per_channel ? L.D + hd * p : nullptr, L.D[hd],
-                  zxbcdt.data() + hd * p, y.data() + hd * p, p, n);
-      }
-      _mm_sfence();  // the streamed rows are visible before the step returns
-#pragma omp barrier
-      norm_rows(y.data(), d_inner, nullptr, 0, L.gate_norm, gated.data(), d_inner, d_inner / g, eps, 0, 1);
-      const auto [o0, o1] = share(d, t, team, 8);
-      row_share(L.out, gated.data(), hidden.data(), o0, o1);
-#pragma omp barrier
-    }
-    if (layers > 0) {
-      for (int64_t c = 0; c < d; ++c) residual[c] += hidden[c];
-    }
-    norm_rows(residual.data(), d, nullptr, 0, final_norm, normed.data(), d, d, eps, 0, 1);
-    const auto [v0, v1] = share(lm_head.out, t, team, 8);
-    row_share(lm_head, normed.data(), out, v0, v1);
-  }
+  decode_model_run(x.data_ptr<float>(), d, views.data(), layers, norm_f.data_ptr<float>(), lm_head,
+                   logits.data_ptr<float>(), eps, static_cast<float>(low), static_cast<float>(high), g, p, threads);
   return {logits, convs, ssms};
 }
 

@@ -16,12 +16,15 @@ VM). A batch-1 decode step's products with int8 or bfloat16 weights (one float32
 ``row_products``, the row kernel of torch's decode) widen each weight as they read it, where NumPy's
 path widens the weight tile by tile into float32 and multiplies those: the 130m LM's step went from
 58 to 26 ms (int8) and from 84 to 33 ms (bfloat16) on a 2-core VM. Float32 weights keep OpenBLAS's
-sgemv, which reads them about as fast as that kernel.
+sgemv, which reads them about as fast as that kernel. The whole batch-1 step of a language model
+goes through ``portable_ssm_decode_model`` (``decode_model_run`` of ``backends/cpu/decode_model.h``,
+torch's whole-model step, one OpenMP region of :func:`.threads.workers` threads; :mod:`.decode`).
 
 The library is compiled on first use with the C++ compiler (``$CXX``, else ``c++``, ``g++`` or
 ``clang++``; a few seconds, once) and cached as ``numpy_kernels_<hash>.so`` under
 ``$PORTABLE_SSM_CACHE`` (default ``$XDG_CACHE_HOME/portable_ssm``, i.e. ``~/.cache/portable_ssm``), the
-hash covering every source file, the flags and the compiler, beside a record of its size and sha256
+hash covering every source file, the flags (``PORTABLE_SSM_CPU_ISA`` picks the avx2 or avx512 build,
+:func:`.cpu_source.isa`) and the compiler, beside a record of its size and sha256
 (:mod:`portable_ssm.backends.kernel_cache`: each written to a temporary file, fsync'd and renamed
 into place). It is loaded only where it is a regular file of this user's, writable by no one else,
 whose size and sha256 are the record's: anything else (a truncated file, which ``dlopen`` would map
@@ -52,7 +55,7 @@ import numpy as np
 
 from portable_ssm import ssd
 
-from ..cpu_source import ENV, SIMD_FLAGS, head_block, source_key, source_path
+from ..cpu_source import ENV, SIMD_FLAGS, head_block, isa, simd_flags, source_key, source_path
 from ..kernel_cache import CACHE_ENV as CACHE_ENV  # the cache folder's variable, as before
 from ..kernel_cache import cache_dir, damage, locked, store
 from .threads import blas_sgemm, row_ranges, run_all, workers
@@ -60,8 +63,11 @@ from .threads import blas_sgemm, row_ranges, run_all, workers
 #: The library's C++ source under :data:`.cpu_source.SOURCE_DIR` (it includes ``shared.h``).
 SOURCE_FILE = "numpy_kernels.cpp"
 
-#: The flags: the shared SIMD ones, as a position-independent shared library.
-CXXFLAGS = (*SIMD_FLAGS, "-std=c++17", "-shared", "-fPIC")
+#: The flags after the SIMD ones (:func:`.cpu_source.simd_flags`): a position-independent shared
+#: library with OpenMP (the whole-model decode step's parallel region, :mod:`.decode`).
+LIBRARY_FLAGS = ("-std=c++17", "-shared", "-fPIC", "-fopenmp")
+#: The flags of the default (AVX2) build.
+CXXFLAGS = (*SIMD_FLAGS, *LIBRARY_FLAGS)
 #: Heads per pass of the native scan (NumPy's loop and this one's work items): a block's state and a
 #: chunk's decays stay in L2.
 SCAN_HEAD_BLOCK = 12
@@ -78,11 +84,12 @@ _SIGNATURES = {
                                     _INT, _INT],
     "portable_ssm_scan_forward": [_POINTER, _POINTER, ctypes.c_double, _INT, _INT],
     "portable_ssm_row_product": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
+    "portable_ssm_decode_model": [_POINTER, _POINTER, ctypes.c_double, ctypes.c_double, ctypes.c_double, _INT],
 }
 _RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double}
 
 _LOCK = threading.Lock()
-_LOADED: list[ctypes.CDLL | None] = []  # empty until the first build attempt, then the library or None
+_LOADED: dict[str, ctypes.CDLL | None] = {}  # per build (isa): the library or None, after its first attempt
 
 
 def _cpu_has_avx2() -> bool:
@@ -119,7 +126,12 @@ def library_path(cxx: str) -> Path:
     """Where the library built by ``cxx`` is cached: ``numpy_kernels_<key>.so`` under
     :func:`.kernel_cache.cache_dir`, the key (:func:`.cpu_source.source_key`) covering every source
     file, the flags, the compiler and the machine."""
-    return cache_dir() / f"numpy_kernels_{source_key(*CXXFLAGS, cxx, platform.machine())}.so"
+    return cache_dir() / f"numpy_kernels_{source_key(*flags(), cxx, platform.machine())}.so"
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler's flags for the build :func:`.cpu_source.isa` picks (:data:`CXXFLAGS` for avx2)."""
+    return (*simd_flags(), *LIBRARY_FLAGS)
 
 
 def _build(cxx: str, target: Path) -> None:
@@ -131,7 +143,7 @@ def _build(cxx: str, target: Path) -> None:
           flush=True)
     with tempfile.TemporaryDirectory() as work:
         built = Path(work) / target.name
-        result = subprocess.run([cxx, *CXXFLAGS, str(source), "-o", str(built)], capture_output=True, text=True,
+        result = subprocess.run([cxx, *flags(), str(source), "-o", str(built)], capture_output=True, text=True,
                                 timeout=600, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{Path(cxx).name} exited with {result.returncode}: "
@@ -196,10 +208,14 @@ def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they may not or could not be used (built once per process)."""
     if not enabled():
         return None
+    build = isa()
+    loaded = _LOADED.get(build, False)
+    if loaded is not False:
+        return loaded
     with _LOCK:
-        if not _LOADED:
-            _LOADED.append(_load())
-    return _LOADED[0]
+        if build not in _LOADED:
+            _LOADED[build] = _load()
+    return _LOADED[build]
 
 
 def _float32_channels(a: np.ndarray) -> bool:

@@ -1,0 +1,202 @@
+// The whole-model batch-1 decode step in plain pointers, written once for both backends: torch's
+// decode_model op (torch_ops.cpp) checks its tensors and calls decode_model_run, NumPy's library
+// (numpy_kernels.cpp) exports it as portable_ssm_decode_model, its arrays checked in
+// backends/numpy/decode.py. Also the per-row pieces of torch's decode_step (conv_step, head_step).
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "shared.h"
+
+namespace {
+
+// A weight's storage as the row kernel reads it.
+enum WeightKind : int64_t { kWeightF32 = 0, kWeightI8 = 1, kWeightBF16 = 2 };
+
+// A weight [out, in] as the row kernel reads it: float32, int8 (times a float32 scale per row, or
+// none) or bfloat16 bits, contiguous.
+struct RowWeight {
+  const void* data;
+  int64_t kind;  // a WeightKind
+  const float* scale;
+  int64_t out, in;
+};
+
+// y[r] = (w[r] · x)·scale[r] for the rows r in [begin, end) of w.
+inline void row_share(const RowWeight& w, const float* x, float* y, int64_t begin, int64_t end) {
+  switch (w.kind) {
+    case kWeightF32: row_products(static_cast<const float*>(w.data), x, w.scale, y, w.in, begin, end); break;
+    case kWeightI8: row_products(static_cast<const int8_t*>(w.data), x, w.scale, y, w.in, begin, end); break;
+    default: row_products(static_cast<const uint16_t*>(w.data), x, w.scale, y, w.in, begin, end); break;
+  }
+}
+
+// v[i] = silu(v[i]), in place.
+inline void silu_pass(float* v, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(v + i, silu8(_mm256_loadu_ps(v + i)));
+  for (; i < count; ++i) v[i] = silu1(v[i]);
+}
+// v[i] = (v[i] + d[i]·x[i])·silu(gate[i]), in place; d == nullptr: one d_all for every i.
+inline void skip_and_gate(float* v, const float* x, const float* d, float d_all, const float* gate, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m256 dv = d == nullptr ? _mm256_set1_ps(d_all) : _mm256_loadu_ps(d + i);
+    const __m256 y = _mm256_fmadd_ps(dv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(v + i));
+    _mm256_storeu_ps(v + i, _mm256_mul_ps(y, silu8(_mm256_loadu_ps(gate + i))));
+  }
+  for (; i < count; ++i) v[i] = (v[i] + (d == nullptr ? d_all : d[i]) * x[i]) * silu1(gate[i]);
+}
+
+// One row's conv step for `count` channels from cs [count, k] (the window), xin [count] (the new
+// inputs), taps w [count, k] and bias [count] (or null): the window shifted by the input into
+// ncs [count, k], act [count] = silu(taps · window + bias).
+inline void conv_step(const float* cs, const float* xin, const float* w, const float* bias, float* ncs, float* act,
+                      int64_t k, int64_t count) {
+  for (int64_t c = 0; c < count; ++c) {
+    const float* s = cs + c * k;
+    float* o = ncs + c * k;
+    float acc = 0.f;
+    for (int64_t j = 0; j + 1 < k; ++j) {
+      o[j] = s[j + 1];
+      acc += o[j] * w[c * k + j];
+    }
+    o[k - 1] = xin[c];
+    acc += xin[c] * w[c * k + k - 1];
+    act[c] = bias == nullptr ? acc : acc + bias[c];
+  }
+  silu_pass(act, count);
+}
+
+// One head of one row after the conv: Δ = clamp(softplus(dt + dt_bias), lo, hi), H' = exp(Δ·A)·H +
+// Δ·outer(x, B) into Hn [p, n] (streamed past the caches where `stream`), out [p] = (H' @ C + D·x)·silu(gate)
+// with D per channel (d [p]) or one d_all (d null).
+inline void head_step(float dt, float dt_bias, float A, float lo, float hi, const float* x, const float* B,
+                      const float* C, const float* H, float* Hn, bool stream, const float* d, float d_all,
+                      const float* gate, float* out, int64_t p, int64_t n) {
+  const float step = std::min(std::max(softplus1(dt + dt_bias), lo), hi);  // Δ
+  const float decay = std::exp(step * A);  // exp(Δ·A)
+  const __m256 vdecay = _mm256_set1_ps(decay);
+  for (int64_t i = 0; i < p; ++i) {  // H'[i, :] = decay·H[i, :] + Δ·x[i]·B, and H'[i, :] @ C
+    const float* hrow = H + i * n;
+    float* nrow = Hn + i * n;
+    const float feed = step * x[i];
+    const __m256 vfeed = _mm256_set1_ps(feed);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      if (j % 16 == 0) prefetch(hrow + j + kAheadBytes / sizeof(float));
+      __m256 v = _mm256_fmadd_ps(vfeed, _mm256_loadu_ps(B + j), _mm256_mul_ps(vdecay, _mm256_loadu_ps(hrow + j)));
+      if (stream) {
+        _mm256_stream_ps(nrow + j, v);
+      } else {
+        _mm256_storeu_ps(nrow + j, v);
+      }
+      acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(C + j), acc);
+    }
+    float dot = horizontal_sum(acc);
+    for (; j < n; ++j) {
+      nrow[j] = decay * hrow[j] + feed * B[j];
+      dot += nrow[j] * C[j];
+    }
+    out[i] = dot;
+  }
+  skip_and_gate(out, x, d, d_all, gate, p);
+}
+
+// Whether new states may be streamed past the caches (non-temporal stores): rows of n floats from
+// a 32-byte aligned buffer. They are read again only by the next token, after every weight has
+// passed through the caches, and ordinary stores would first read each line of the fresh buffer.
+inline bool streams(const float* Hn, int64_t n) { return reinterpret_cast<uintptr_t>(Hn) % 32 == 0 && n % 8 == 0; }
+
+// Layer i of decode_model in raw pointers: its tensors, new states and sizes, checked at the entry.
+struct LayerView {
+  const float *norm, *conv_state, *conv_w, *conv_b, *dt_bias, *A_log, *D, *gate_norm, *H;
+  float *new_conv, *Hn;
+  RowWeight in, out;
+  int64_t h, conv_dim, k, n;
+  bool d_per_channel, stream;
+};
+
+// Thread t's share [begin, end) of `count` items among `threads`, the bounds inside multiples of `align`.
+inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t threads, int64_t align) {
+  auto bound = [&](int64_t i) { return i == threads ? count : count * i / threads / align * align; };
+  return {bound(t), bound(t + 1)};
+}
+
+// One token through the whole language model at batch 1 (portable_ssm.lm.decode: the residual
+// blocks with their mixers' steps, norm_f and the head), from the embedded token x0 [d]: layers
+// views (checked by the caller), the final norm [d] and the head into out [head.out]; threads: the
+// team's size (1 inside another parallel region).
+//
+// One parallel region runs the whole token, its threads meeting at three barriers a layer
+// (in_proj's output complete, the heads' outputs complete, out_proj's output complete) where a
+// call per kernel forked and joined the threads four times, with dispatch and allocations, between
+// them. Each thread keeps its own copy of the residual and of the normed rows (the same arithmetic
+// on the same values: the same floats), takes a share of each product's rows and of the heads, and
+// computes the conv of the groups' B and C channels itself (thread 0 writes their new window once
+// every thread has read the old one). Each state entry is read before it is written, by the thread
+// that writes it, or before a barrier that precedes the write: the new states may be the old ones
+// (new_conv == conv_state and Hn == H: updated in place).
+inline void decode_model_run(const float* x0, int64_t d, const LayerView* views, int64_t layers,
+                             const float* final_norm, const RowWeight& lm_head, float* out, double eps, float lo,
+                             float hi, int64_t g, int64_t p, int threads) {
+  int64_t widest = d, most_inner = 0, most_bc = 0, most_window = 0;  // the largest in_proj output, d_inner, B and C
+  for (int64_t i = 0; i < layers; ++i) {
+    const LayerView& v = views[i];
+    widest = std::max(widest, v.in.out), most_inner = std::max(most_inner, v.h * p);
+    most_bc = std::max(most_bc, 2 * g * v.n), most_window = std::max(most_window, 2 * g * v.n * v.k);
+  }
+  std::vector<float> zxbcdt(widest), act(most_inner), y(most_inner), hidden(d);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    std::vector<float> residual(x0, x0 + d), normed(d), gated(most_inner), bc(most_bc), spare(most_window);
+    for (int64_t i = 0; i < layers; ++i) {
+      const LayerView& L = views[i];
+      const int64_t d_inner = L.h * p, k = L.k, n = L.n;
+      if (i > 0) {
+        for (int64_t c = 0; c < d; ++c) residual[c] += hidden[c];
+      }
+      norm_rows(residual.data(), d, nullptr, 0, L.norm, normed.data(), d, d, eps, 0, 1);
+      const auto [r0, r1] = share(L.in.out, t, team, 8);
+      row_share(L.in, normed.data(), zxbcdt.data(), r0, r1);
+#pragma omp barrier
+      const float* xBC = zxbcdt.data() + d_inner;  // [x (d_inner), B (g·n), C (g·n)]
+      conv_step(L.conv_state + d_inner * k, xBC + d_inner, L.conv_w + d_inner * k,
+                L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, spare.data(), bc.data(), k, 2 * g * n);
+      const auto [h0, h1] = share(L.h, t, team, 1);
+      conv_step(L.conv_state + h0 * p * k, xBC + h0 * p, L.conv_w + h0 * p * k,
+                L.conv_b == nullptr ? nullptr : L.conv_b + h0 * p, L.new_conv + h0 * p * k, act.data() + h0 * p, k,
+                (h1 - h0) * p);
+      for (int64_t hd = h0; hd < h1; ++hd) {
+        const int64_t group = hd / (L.h / g);
+        head_step(zxbcdt[d_inner + L.conv_dim + hd], L.dt_bias[hd], -std::exp(L.A_log[hd]), lo, hi,
+                  act.data() + hd * p, bc.data() + group * n, bc.data() + (g + group) * n, L.H + hd * p * n,
+                  L.Hn + hd * p * n, L.stream, L.d_per_channel ? L.D + hd * p : nullptr, L.D[hd],
+                  zxbcdt.data() + hd * p, y.data() + hd * p, p, n);
+      }
+      _mm_sfence();  // the streamed rows are visible before the step returns
+#pragma omp barrier
+      if (t == 0) std::copy(spare.data(), spare.data() + 2 * g * n * k, L.new_conv + d_inner * k);  // read by none now
+      norm_rows(y.data(), d_inner, nullptr, 0, L.gate_norm, gated.data(), d_inner, d_inner / g, eps, 0, 1);
+      const auto [o0, o1] = share(d, t, team, 8);
+      row_share(L.out, gated.data(), hidden.data(), o0, o1);
+#pragma omp barrier
+    }
+    if (layers > 0) {
+      for (int64_t c = 0; c < d; ++c) residual[c] += hidden[c];
+    }
+    norm_rows(residual.data(), d, nullptr, 0, final_norm, normed.data(), d, d, eps, 0, 1);
+    const auto [v0, v1] = share(lm_head.out, t, team, 8);
+    row_share(lm_head, normed.data(), out, v0, v1);
+  }
+}
+
+}  // namespace

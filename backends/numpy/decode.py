@@ -1,0 +1,282 @@
+"""NumPy's whole-model batch-1 decode step: one token through every layer of a language model in
+one call of the compiled library (``portable_ssm_decode_model``: ``decode_model_run`` of
+``backends/cpu/decode_model.h``, the C++ torch's ``decode_model`` op runs), one OpenMP parallel
+region of :func:`.threads.workers` threads, where the per-layer step makes a dozen NumPy and
+ctypes calls a layer.
+
+- :func:`plan`: a model's arrays checked and gathered into the library's size and pointer tables,
+  ValueError naming the first array that does not fit;
+- :func:`decode_model`: one step on a plan, ``(logits [1, rows], new conv states, new ssm states)``;
+- :func:`decode_rows_in_place`: that step for rows of a batch of states one after another, each
+  updated in place (a market stream's per-bar update);
+- :func:`decode_model_hook`: the backend's ``decode_model`` fast op (``portable_ssm.lm.decode``):
+  the step for the variant the kernel computes, None for any other (the core's array-API step
+  runs, the reference it is tested against) or where the kernels are off.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from portable_ssm import lm
+from portable_ssm.config import Mamba2Config
+from portable_ssm.model import Mamba2State
+from portable_ssm.quantized import QuantizedWeight
+
+from . import kernels
+from .threads import workers
+
+#: The weight storage the library reads, by its kind number (``WeightKind`` of decode_model.h).
+WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.uint16): 2}
+#: Entries of the tables before the layers' and per layer.
+_HEAD_SIZES, _LAYER_SIZES, _HEAD_POINTERS, _LAYER_POINTERS = 6, 7, 5, 15
+#: Per-call pointers in a layer's entries: conv_state, ssm_state, new_conv, new_ssm.
+_STATE_SLOTS = (1, 8, 9, 10)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A model's arrays as the library reads them: ``sizes`` and ``pointers`` (the per-call slots 0),
+    the states' shapes per layer, the logits' width and the arrays themselves (kept alive)."""
+
+    sizes: np.ndarray
+    pointers: np.ndarray
+    conv_shapes: tuple[tuple[int, ...], ...]
+    ssm_shapes: tuple[tuple[int, ...], ...]
+    d_model: int
+    vocab: int
+    eps: float
+    dt_limit: tuple[float, float]
+    arrays: tuple[Any, ...]
+
+
+def _fits(a: Any) -> bool:
+    return (isinstance(a, np.ndarray) and a.dtype.isnative and a.flags.c_contiguous and a.flags.aligned)
+
+
+def _float32(a: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """``a`` where it is a contiguous float32 ``shape``; ValueError naming it otherwise."""
+    if not (_fits(a) and a.dtype == np.float32 and a.shape == shape):
+        got = f"{getattr(a, 'shape', None)} {getattr(a, 'dtype', type(a).__name__)}"
+        raise ValueError(f"decode_model: {name} must be a contiguous float32 {list(shape)}, got {got}")
+    return a
+
+
+def _weight(w: Any, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """``(data, kind, scale or None)`` of a float32, int8 or bfloat16-bits weight ``shape``."""
+    data, scale = (w.data, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
+    kind = WEIGHT_KINDS.get(getattr(data, "dtype", None))
+    if kind is None or not _fits(data) or data.shape != shape:
+        got = f"{getattr(data, 'shape', None)} {getattr(data, 'dtype', type(data).__name__)}"
+        raise ValueError(f"decode_model: {name} must be a contiguous float32, int8 or bfloat16-bits (uint16) "
+                         f"{list(shape)}, got {got}")
+    if scale is not None:
+        _float32(scale, f"{name}'s scale", (shape[0],))
+    return data, kind, scale
+
+
+def _address(a: np.ndarray | None) -> int:
+    return 0 if a is None else a.ctypes.data
+
+
+def plan(params: dict[str, Any], config: Mamba2Config) -> Plan:
+    """``params`` of ``config``'s language model checked and gathered for :func:`decode_model`: the
+    variant the kernel computes (in_proj's output ``[z, xBC, dt]``, no projection biases, float32
+    arrays; weights float32, int8 with row scales or bfloat16 bits). ValueError naming the first
+    array or setting that does not fit."""
+    c = config
+    if c.d_mlp or not c.rmsnorm or c.norm_before_gate:
+        raise ValueError("decode_model: config must have no gated MLP (d_mlp=0), rmsnorm=True and "
+                         f"norm_before_gate=False, got d_mlp={c.d_mlp}, rmsnorm={c.rmsnorm}, "
+                         f"norm_before_gate={c.norm_before_gate}")
+    d, g, p = c.d_model, c.ngroups, c.headdim
+    sizes, pointers, arrays, convs, ssms = [], [], [], [], []
+    for i in range(c.n_layer):
+        def get(leaf: str, i: int = i) -> Any:
+            return params.get(f"layers.{i}.{leaf}")
+
+        for leaf in ("mixer.in_proj.bias", "mixer.out_proj.bias"):
+            if get(leaf) is not None:
+                raise ValueError(f"decode_model: layers.{i}.{leaf} must be absent (the kernel adds no projection "
+                                 "biases)")
+        dt_bias = get("mixer.dt_bias")
+        h = getattr(dt_bias, "shape", (0,))[0] if getattr(dt_bias, "ndim", 0) == 1 else 0
+        if h <= 0 or h % g:
+            raise ValueError(f"decode_model: layers.{i}.mixer.dt_bias must be [nheads] with nheads a positive "
+                             f"multiple of ngroups={g}, got {getattr(dt_bias, 'shape', None)}")
+        taps = get("mixer.conv1d.weight")
+        conv_dim = getattr(taps, "shape", (0,))[0]
+        n2 = conv_dim - h * p
+        if taps is None or taps.ndim != 3 or n2 <= 0 or n2 % (2 * g):
+            raise ValueError(f"decode_model: layers.{i}.mixer.conv1d.weight must be [d_inner + 2·ngroups·d_state, "
+                             f"1, d_conv] for d_inner={h * p}, got {getattr(taps, 'shape', None)}")
+        n, k = n2 // (2 * g), taps.shape[2]
+        name = f"layers.{i}.mixer."
+        row = [_float32(get("norm.weight"), f"layers.{i}.norm.weight", (d,)), None,
+               _float32(taps, name + "conv1d.weight", (conv_dim, 1, k))]
+        bias = get("mixer.conv1d.bias")
+        row.append(None if bias is None else _float32(bias, name + "conv1d.bias", (conv_dim,)))
+        D = get("mixer.D")
+        row += [_float32(dt_bias, name + "dt_bias", (h,)), _float32(get("mixer.A_log"), name + "A_log", (h,)),
+                _float32(D, name + "D", (h, p) if getattr(D, "ndim", 1) == 2 else (h,)),
+                _float32(get("mixer.norm.weight"), name + "norm.weight", (h * p,)), None, None, None]
+        w_in, in_kind, in_scale = _weight(get("mixer.in_proj.weight"), name + "in_proj.weight",
+                                          (2 * h * p + 2 * g * n + h, d))
+        w_out, out_kind, out_scale = _weight(get("mixer.out_proj.weight"), name + "out_proj.weight", (d, h * p))
+        row += [w_in, in_scale, w_out, out_scale]
+        pointers += [_address(a) for a in row]
+        arrays += [a for a in row if a is not None]
+        sizes += [h, conv_dim, k, n, in_kind, out_kind, D.ndim == 2]
+        convs.append((1, conv_dim, k))
+        ssms.append((1, h, p, n))
+    norm_f = _float32(params.get("norm_f.weight"), "norm_f.weight", (d,))
+    head_param = lm.head_weight(params, c)
+    rows = getattr(head_param, "shape", (0,))[0]
+    head, head_kind, head_scale = _weight(head_param, "the head's weight", (rows, d))
+    arrays += [a for a in (norm_f, head, head_scale) if a is not None]
+    return Plan(np.array([c.n_layer, d, g, p, rows, head_kind, *sizes], dtype=np.int64),
+                np.array([0, norm_f.ctypes.data, head.ctypes.data, _address(head_scale), 0, *pointers],
+                         dtype=np.uintp),
+                tuple(convs), tuple(ssms), d, rows, float(c.norm_eps), tuple(map(float, c.dt_limit)), tuple(arrays))
+
+
+def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialized float32 ``shape`` starting on a 64-byte boundary (the kernel streams new
+    states past the caches into such buffers)."""
+    count = int(np.prod(shape))
+    buffer = np.empty(count + 16, dtype=np.float32)
+    start = (-buffer.ctypes.data % 64) // 4
+    return buffer[start:start + count].reshape(shape)
+
+
+def decode_model(x: np.ndarray, conv_states: list[np.ndarray], ssm_states: list[np.ndarray], model: Plan,
+                 threads: int | None = None) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]] | None:
+    """One token through the whole model of ``model`` (:func:`plan`) from the embedded ``x [1,
+    d_model]`` float32 and each layer's ``conv_states[i] [1, conv_dim, d_conv]`` and ``ssm_states[i]
+    [1, nheads, headdim, d_state]`` (contiguous float32, left untouched) on ``threads`` threads
+    (default :func:`.threads.workers`): ``(logits [1, rows], new conv states, new ssm states)``;
+    None where the kernels are off or not built. ValueError naming the array that does not fit."""
+    lib = kernels.library()
+    if lib is None:
+        return None
+    _float32(x, "x", (1, model.d_model))
+    layers = len(model.conv_shapes)
+    for name, given in (("conv_states", conv_states), ("ssm_states", ssm_states)):
+        if len(given) != layers:
+            raise ValueError(f"decode_model: {name} must hold one array per layer ({layers}), got {len(given)}")
+    for i in range(layers):
+        _float32(conv_states[i], f"conv_states[{i}]", model.conv_shapes[i])
+        _float32(ssm_states[i], f"ssm_states[{i}]", model.ssm_shapes[i])
+    _check_threads(threads)
+    new_convs = [_aligned_empty(s) for s in model.conv_shapes]
+    new_ssms = [_aligned_empty(s) for s in model.ssm_shapes]
+    logits = np.empty((1, model.vocab), dtype=np.float32)
+    addresses = [[a.ctypes.data for a in group] for group in zip(conv_states, ssm_states, new_convs, new_ssms)]
+    _call(lib, model, x.ctypes.data, logits.ctypes.data, np.array(addresses, dtype=np.uintp), threads)
+    return logits, new_convs, new_ssms
+
+
+def _call(lib: Any, model: Plan, x: int, logits: int, states: np.ndarray, threads: int | None) -> None:
+    """The library's step on ``model`` for the row at address ``x`` into ``logits``, ``states [layers,
+    4]`` the addresses of each layer's conv state, ssm state, new conv state and new ssm state."""
+    pointers = model.pointers.copy()
+    pointers[0], pointers[4] = x, logits
+    pointers[_slots(len(model.conv_shapes))] = states
+    low, high = model.dt_limit
+    lib.portable_ssm_decode_model(model.sizes.ctypes.data, pointers.ctypes.data, model.eps, low, high,
+                                  workers() if threads is None else threads)
+
+
+def _slots(layers: int) -> np.ndarray:
+    """The per-call pointers' places in the table: ``[layers, 4]``."""
+    return np.add.outer(_HEAD_POINTERS + _LAYER_POINTERS * np.arange(layers), _STATE_SLOTS)
+
+
+def _check_threads(threads: int | None) -> None:
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"decode_model: threads must be a positive int or None, got {threads!r}")
+
+
+def decode_rows_in_place(x: np.ndarray, conv_states: list[np.ndarray], ssm_states: list[np.ndarray],
+                         rows: np.ndarray, model: Plan, threads: int | None = None) -> np.ndarray | None:
+    """:func:`decode_model` for ``k`` rows one after another, each with its own state updated in
+    place: ``x [k, d_model]`` and row ``rows[j]`` of every layer's ``conv_states[i] [N, conv_dim,
+    d_conv]`` and ``ssm_states[i] [N, nheads, headdim, d_state]`` (contiguous float32; ``rows``
+    integers in ``[0, N)``) -> ``logits [k, rows of the head]``, no state copied (a stream's
+    per-bar update). None where the kernels are off or not built. ValueError naming what does not fit."""
+    lib = kernels.library()
+    if lib is None:
+        return None
+    k = x.shape[0] if isinstance(x, np.ndarray) and x.ndim == 2 else -1
+    _float32(x, "x", (max(k, 0), model.d_model))
+    layers = len(model.conv_shapes)
+    for name, given in (("conv_states", conv_states), ("ssm_states", ssm_states)):
+        if len(given) != layers:
+            raise ValueError(f"decode_model: {name} must hold one array per layer ({layers}), got {len(given)}")
+    batch = getattr(conv_states[0], "shape", (0,))[0] if layers else 0
+    for i in range(layers):
+        _float32(conv_states[i], f"conv_states[{i}]", (batch, *model.conv_shapes[i][1:]))
+        _float32(ssm_states[i], f"ssm_states[{i}]", (batch, *model.ssm_shapes[i][1:]))
+    rows = np.asarray(rows)
+    if (rows.dtype == np.bool_ or not np.issubdtype(rows.dtype, np.integer) or rows.shape != (k,)
+            or (k and (rows.min() < 0 or rows.max() >= batch))):
+        raise ValueError(f"decode_model: rows must be {k} integers in [0, {batch}), got {rows.dtype} {rows.shape}")
+    _check_threads(threads)
+    logits = np.empty((k, model.vocab), dtype=np.float32)
+    bases = np.array([[a.ctypes.data, b.ctypes.data] for a, b in zip(conv_states, ssm_states)], dtype=np.uintp)
+    widths = np.array([[a[0].nbytes if batch else 0, b[0].nbytes if batch else 0]
+                       for a, b in zip(conv_states, ssm_states)], dtype=np.uintp)
+    for j, r in enumerate(rows.tolist()):
+        here = bases + widths * np.uintp(r)  # [layers, 2]: the row's states, read and written in place
+        _call(lib, model, x[j].ctypes.data, logits[j].ctypes.data, np.concatenate([here, here], axis=1), threads)
+    return logits
+
+
+#: The plan :func:`decode_model_hook` last made: ``{(config, names, ids of the values): (weak
+#: references to the values, the plan without its arrays)}`` (weak, so a model the caller drops is
+#: freed; a plan is used only while every value it was made from is alive).
+_PLANS: dict[tuple[Any, ...], tuple[list[Any], Plan]] = {}
+
+
+def known_plan(params: dict[str, Any], config: Mamba2Config) -> Plan | None:
+    """:func:`plan` of ``params``, remembered for the params last asked about (the same names and
+    the same live objects); None where it refuses them."""
+    key = (config, tuple(params), tuple(map(id, params.values())))
+    known = _PLANS.get(key)
+    if known is not None and all(r() is not None for r in known[0]):
+        return known[1]
+    _PLANS.clear()
+    try:
+        made = plan(params, config)
+    except ValueError:
+        return None
+    try:  # remembered without its arrays: the model's own references keep them alive while it is
+        _PLANS[key] = ([weakref.ref(v) for v in params.values()], replace(made, arrays=()))
+    except TypeError:  # a value without weak references: planned again next call
+        pass
+    return made
+
+
+def decode_model_hook(x: Any, state: Mamba2State, params: dict[str, Any],
+                      config: Mamba2Config) -> tuple[np.ndarray, Mamba2State] | None:
+    """The ``decode_model`` fast op: :func:`decode_model` for a float32 ``x [1, d_model]`` and the
+    variant :func:`plan` takes, with the states made contiguous; None otherwise (the core's step
+    runs) or where the kernels are off. Returns ``(logits [1, rows], new state)``."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape[0] != 1 or kernels.library() is None:
+        return None
+    model = known_plan(params, config)
+    if model is None:
+        return None
+    contiguous = [[np.ascontiguousarray(s) for s in states] for states in (state.conv, state.ssm)]
+    try:
+        out = decode_model(np.ascontiguousarray(x), *contiguous, model)
+    except ValueError:
+        return None
+    if out is None:
+        return None
+    logits, convs, ssms = out
+    return logits, Mamba2State(conv=tuple(convs), ssm=tuple(ssms))
