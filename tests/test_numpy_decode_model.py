@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -112,6 +113,17 @@ def test_numpy_whole_model_step_refusals_name_the_array(library):
         decode.decode_model(x, list(state.conv[:1]), list(state.ssm), model)
     with pytest.raises(ValueError, match=r"\bx must"):
         decode.decode_model(np.zeros((2, config.d_model), np.float32), list(state.conv), list(state.ssm), model)
+
+
+def test_a_small_model_steps_on_one_thread_and_a_large_one_on_every_worker(library, monkeypatch):
+    """The default thread count gives each thread at least BYTES_PER_THREAD of weights: a tiny
+    model's step never waits at the three barriers a layer that splitting it would cost."""
+    monkeypatch.setattr(decode, "workers", lambda: 4)
+    config, params, _, _ = _model("float32")
+    small = decode.plan(params, config)
+    assert small.weight_bytes < decode.BYTES_PER_THREAD and decode.default_threads(small) == 1
+    assert decode.default_threads(replace(small, weight_bytes=3 * decode.BYTES_PER_THREAD)) == 3
+    assert decode.default_threads(replace(small, weight_bytes=100 * decode.BYTES_PER_THREAD)) == 4
 
 
 def test_numpy_decode_falls_back_to_the_array_api_step_with_the_kernels_off(library, monkeypatch):

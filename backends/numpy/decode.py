@@ -34,6 +34,8 @@ from .threads import workers
 WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.uint16): 2}
 #: Entries of the tables before the layers' and per layer.
 _HEAD_SIZES, _LAYER_SIZES, _HEAD_POINTERS, _LAYER_POINTERS = 6, 7, 5, 15
+#: The least weight bytes a thread of the step reads: about 0.1 ms at a core's streaming rate.
+BYTES_PER_THREAD = 1 << 20
 #: Per-call pointers in a layer's entries: conv_state, ssm_state, new_conv, new_ssm.
 _STATE_SLOTS = (1, 8, 9, 10)
 
@@ -52,6 +54,7 @@ class Plan:
     eps: float
     dt_limit: tuple[float, float]
     arrays: tuple[Any, ...]
+    weight_bytes: int = 0
 
 
 def _fits(a: Any) -> bool:
@@ -141,7 +144,8 @@ def plan(params: dict[str, Any], config: Mamba2Config) -> Plan:
     return Plan(np.array([c.n_layer, d, g, p, rows, head_kind, *sizes], dtype=np.int64),
                 np.array([0, norm_f.ctypes.data, head.ctypes.data, _address(head_scale), 0, *pointers],
                          dtype=np.uintp),
-                tuple(convs), tuple(ssms), d, rows, float(c.norm_eps), tuple(map(float, c.dt_limit)), tuple(arrays))
+                tuple(convs), tuple(ssms), d, rows, float(c.norm_eps), tuple(map(float, c.dt_limit)), tuple(arrays),
+                sum(a.nbytes for a in arrays))
 
 
 def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
@@ -188,7 +192,15 @@ def _call(lib: Any, model: Plan, x: int, logits: int, states: np.ndarray, thread
     pointers[_slots(len(model.conv_shapes))] = states
     low, high = model.dt_limit
     lib.portable_ssm_decode_model(model.sizes.ctypes.data, pointers.ctypes.data, model.eps, low, high,
-                                  workers() if threads is None else threads)
+                                  default_threads(model) if threads is None else threads)
+
+
+def default_threads(model: Plan) -> int:
+    """:func:`.threads.workers`, but no more threads than the weights give each at least
+    :data:`BYTES_PER_THREAD` to read: the step meets at three barriers a layer, and a small model's
+    step split over threads waits at them longer than it reads (on a busy machine a thread
+    preempted at a barrier stalls the others for a scheduler slice)."""
+    return max(1, min(workers(), model.weight_bytes // BYTES_PER_THREAD))
 
 
 def _slots(layers: int) -> np.ndarray:
