@@ -171,30 +171,34 @@ def _columns(path: str, schema: str, records: np.ndarray) -> dict[str, np.ndarra
 
 
 class _Columns:
-    """The chunks' columns joined: written into arrays allocated once when the file's record count
-    bounds them (a plain file), else kept as pieces and joined column by column at the end."""
+    """The chunks' columns joined into arrays allocated once: of the file's record count when it
+    bounds them (a plain file), else grown geometrically in place (``ndarray.resize``: realloc,
+    which moves a large block's pages without copying them), so the peak stays near the output."""
 
     def __init__(self, capacity: int | None) -> None:
-        self.capacity, self.out, self.n, self.pieces = capacity, None, 0, []
+        self.capacity, self.grows, self.out, self.n = capacity or 0, capacity is None, None, 0
 
     def add(self, columns: dict[str, np.ndarray]) -> None:
-        if self.capacity is None:
-            self.pieces.append(columns)
-            return
-        if self.out is None:  # untouched pages cost no memory: only the rows written are resident
-            self.out = {name: np.empty(self.capacity, v.dtype) for name, v in columns.items()}
         m = columns["ts_event"].shape[0]
+        if self.out is None:  # untouched pages cost no memory: only the rows written are resident
+            self.capacity = max(self.capacity, 2 * m) if self.grows else self.capacity
+            self.out = {name: np.empty(self.capacity, v.dtype) for name, v in columns.items()}
+        if self.n + m > self.capacity:
+            self.capacity = max(2 * self.capacity, self.n + m)
+            for values in self.out.values():
+                values.resize(self.capacity, refcheck=False)  # no view of these arrays exists yet
         for name, values in columns.items():
             self.out[name][self.n:self.n + m] = values
         self.n += m
 
     def result(self, path: str, schema: str) -> dict[str, np.ndarray]:
-        if self.out is not None:
-            return {name: values[:self.n] for name, values in self.out.items()}
-        if not self.pieces:
+        if self.out is None:
             empty = _columns(path, schema, np.zeros(0, layout(schema)))
             return {name: np.zeros(0, v.dtype) for name, v in empty.items()}
-        return {name: np.concatenate([p.pop(name) for p in self.pieces]) for name in list(self.pieces[0])}
+        if self.grows:  # give back the unused tail (realloc shrinks in place)
+            for values in self.out.values():
+                values.resize(self.n, refcheck=False)
+        return {name: values[:self.n] for name, values in self.out.items()}
 
 
 def read_dbn_columns(path: str | os.PathLike, *, instrument_id: int | None = None,

@@ -8,7 +8,7 @@ A DBN file is ``b"DBN"``, a version byte, a little-endian u32 length, that many 
 and the schema fixes the rest (:data:`LAYOUTS`; plus ``ts_out`` u64 when the metadata says so).
 :func:`iter_records` decompresses (zstd is recognised by its magic number, not the file name)
 and cuts the stream into chunks of at most ``chunk_records`` records, each ``np.frombuffer`` over
-its bytes: no Python object per record, memory of one chunk at a time.
+one reused buffer: no Python object per record, memory of one chunk at a time.
 
 Rules at the door (each a :class:`MarketDataError` naming the file, and the record where one is
 at fault): the file must be a regular file (a FIFO is refused unopened); the header must be DBN
@@ -32,7 +32,7 @@ from ._checks import MarketDataError, check_int, open_regular
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_METADATA_BYTES = 64 << 20  # symbology mappings can be long; anything beyond this is refused
 CHUNK_RECORDS = 1 << 18  # records per chunk: 14 MiB of OHLCV, the bounded working set
-_ZSTD_PIECE = 4096  # compressed bytes per decompress call: at most ~128 MiB out of one call
+_ZSTD_PIECE = 1 << 12  # compressed bytes per decompress call: at most ~128 MiB out of one call
 
 _HEADER = [("length", "u1"), ("rtype", "u1"), ("publisher_id", "<u2"), ("instrument_id", "<u4"), ("ts_event", "<u8")]
 _TRADE = [("price", "<i8"), ("size", "<u4"), ("action", "S1"), ("side", "S1"), ("flags", "u1"), ("depth", "u1"),
@@ -59,9 +59,9 @@ def _plain_blocks(f: BinaryIO, size: int) -> Iterator[bytes]:
         yield block
 
 
-def _zstd_blocks(f: BinaryIO, size: int, path: str) -> Iterator[bytes]:
-    """The decompressed stream of one or more zstd frames, in blocks of about ``size`` bytes; a
-    MarketDataError when it ends inside a frame or is not zstd."""
+def _zstd_blocks(f: BinaryIO, path: str) -> Iterator[bytes]:
+    """The decompressed stream of one or more zstd frames, one piece per decompress call (at most
+    about 128 MiB each); a MarketDataError when it ends inside a frame or is not zstd."""
     try:
         import zstandard
     except ImportError:
@@ -69,26 +69,21 @@ def _zstd_blocks(f: BinaryIO, size: int, path: str) -> Iterator[bytes]:
                           f"(pip install 'portable_ssm[market]')") from None
 
     make = zstandard.ZstdDecompressor().decompressobj
-    decoder, fed, pending, done = make(), False, [], 0
+    decoder, fed = make(), False
     try:
         while piece := f.read(_ZSTD_PIECE):
             while piece:
                 out = decoder.decompress(piece)
                 fed = True
-                pending.append(out)
-                done += len(out)
+                if out:
+                    yield out
                 piece = b""
                 if decoder.eof:
                     piece, decoder, fed = decoder.unused_data, make(), False
-            if done >= size:
-                yield b"".join(pending)
-                pending, done = [], 0
     except zstandard.ZstdError as err:
         raise MarketDataError(f"{path}: corrupt zstd stream ({err})") from None
     if fed:
         raise MarketDataError(f"{path}: truncated: the zstd stream ends inside a frame")
-    if pending:
-        yield b"".join(pending)
 
 
 def _take(stream: Iterator[bytes], have: bytes, n: int) -> bytes:
@@ -149,15 +144,15 @@ def iter_records(path: str | os.PathLike, *,
                  chunk_records: int = CHUNK_RECORDS) -> Iterator[tuple[str, int, np.ndarray]]:
     """``(schema, index of the chunk's first record, records)`` for each chunk of at most
     ``chunk_records`` records of a DBN file (plain or zstd), ``records`` a read-only structured
-    array of :func:`layout` that is valid until the next chunk is read (plain files are read into
-    one reused buffer: copy what you keep). Checks each record's length, rtype and ts_event (see
+    array of :func:`layout` that is valid until the next chunk is read (plain and zstd files are
+    read into one reused buffer: copy what you keep). Checks each record's length, rtype and ts_event (see
     the module docstring); the order of ts_event is the caller's to check (:class:`TimeOrder`)."""
     chunk_records = check_int("chunk_records", chunk_records, minimum=1)
     path = os.fspath(path)
     f, _ = open_regular(path)
     with f:
         schema, dtype, compressed, stream, head = _open_stream(f, path)
-        blocks = (_blocks_of(itertools.chain([head], stream), dtype.itemsize * chunk_records) if compressed
+        blocks = (_fill(itertools.chain([head], stream), dtype.itemsize * chunk_records) if compressed
                   else _read_into(f, dtype.itemsize * chunk_records))
         first, rest = 0, b""
         for data in blocks:
@@ -196,7 +191,7 @@ def _open_stream(f: BinaryIO, path: str) -> tuple[str, np.dtype, bool, Iterator[
     the bytes already read past the metadata (a plain file is left positioned just past it)."""
     compressed = f.read(4) == ZSTD_MAGIC
     f.seek(0)
-    stream = _zstd_blocks(f, 1 << 20, path) if compressed else _plain_blocks(f, 1 << 16)
+    stream = _zstd_blocks(f, path) if compressed else _plain_blocks(f, 1 << 16)
     metadata, rest, header = _metadata(stream, path)
     if not compressed:
         f.seek(header)
@@ -214,20 +209,21 @@ def record_capacity(path: str | os.PathLike) -> int | None:
         return None if compressed else max(size - f.tell(), 0) // dtype.itemsize
 
 
-def _blocks_of(stream: Iterator[bytes], size: int) -> Iterator[bytes]:
-    """``stream`` regrouped into blocks of about ``size`` bytes (the last one shorter)."""
-    parts, total = [], 0
-    for block in stream:
-        parts.append(block)
-        total += len(block)
-        if total >= size:
-            data = b"".join(parts)
-            for start in range(0, len(data) - size + 1, size):
-                yield data[start:start + size]
-            tail = data[len(data) // size * size:]
-            parts, total = ([tail], len(tail)) if tail else ([], 0)
-    if parts:
-        yield b"".join(parts)
+def _fill(stream: Iterator[bytes], size: int) -> Iterator[memoryview]:
+    """``stream`` regrouped into blocks of ``size`` bytes (the last one shorter), each copied once
+    into one reused buffer: no join, no slice copy, no allocation per block."""
+    buffer, done = memoryview(bytearray(size)), 0
+    for piece in stream:
+        piece, start = memoryview(piece), 0
+        while start < len(piece):
+            take = min(size - done, len(piece) - start)
+            buffer[done:done + take] = piece[start:start + take]
+            done, start = done + take, start + take
+            if done == size:
+                yield buffer
+                done = 0
+    if done:
+        yield buffer[:done]
 
 
 def read_schema(path: str | os.PathLike) -> str:
