@@ -9,8 +9,9 @@ host-side data tooling that uses NumPy freely, kept out of the array-API core. N
                 fixed_to_float, resample
     dbn         iter_records, layout: DBN / DBN+zstd in chunks of NumPy structured records
     _checks     MarketDataError: the one error a malformed, truncated or unordered file raises
-    features    bar_features, targets, Normaliser, model_inputs, windows, walk_forward, Split
+    features    bar_features, targets, Normaliser, model_inputs, windows, walk_forward, split_at, Split
     baselines   baselines (zero, last return, AR(p), majority), losses, compare
+    panel       shared_split, SharedSplit, shared_normaliser, stack_windows: many instruments, one time boundary
     model       MarketModel: backbone, head, normaliser and settings; save / load a run directory
     live        MarketStream: N instruments, a batch row each, joining and leaving, one step per bar
     numpy_step  NumpyStep: the in-place NumPy streaming step MarketStream takes on NumPy
@@ -41,6 +42,7 @@ from .features import (
     bar_features,
     feature_rows,
     model_inputs,
+    split_at,
     targets,
     trailing_return,
     walk_forward,
@@ -48,13 +50,15 @@ from .features import (
 )
 from .live import MarketStream
 from .model import MarketModel
+from .panel import SharedSplit, shared_normaliser, shared_split, stack_windows
 from .stream import StreamPredictor, predict
 from .synthetic import synthetic_bars
 
 __all__ = [
-    "Bars", "FEATURES", "LOOKBACK", "MarketDataError", "MarketModel", "MarketStream", "Normaliser", "Split",
-    "StreamPredictor", "bar_features", "baselines", "compare", "feature_rows", "fixed_to_float",
-    "float_to_fixed", "iter_records", "layout", "losses", "model_inputs", "ohlcv_records", "predict",
-    "read_bars", "read_bars_by_instrument", "read_dbn_columns", "read_table", "resample", "synthetic_bars",
-    "targets", "trailing_return", "walk_forward", "windows", "write_ohlcv_dbn",
+    "Bars", "FEATURES", "LOOKBACK", "MarketDataError", "MarketModel", "MarketStream", "Normaliser", "SharedSplit",
+    "Split", "StreamPredictor", "bar_features", "baselines", "compare", "feature_rows", "fixed_to_float",
+    "float_to_fixed", "iter_records", "layout", "losses", "model_inputs", "ohlcv_records", "predict", "read_bars",
+    "read_bars_by_instrument", "read_dbn_columns", "read_table", "resample", "shared_normaliser", "shared_split",
+    "split_at", "stack_windows", "synthetic_bars", "targets", "trailing_return", "walk_forward", "windows",
+    "write_ohlcv_dbn",
 ]

@@ -120,10 +120,17 @@ class Normaliser:
         ``features [N, F]`` float; ``stop`` an int in ``[LOOKBACK + 1, N]``."""
         features = check_float_array("features", features, ndim=2)
         stop = check_int("stop", stop, minimum=LOOKBACK + 1, maximum=features.shape[0])
-        rows = features[LOOKBACK - 1:stop]  # [stop - 1, F]
+        return cls.fit_spans([features], [stop], name="stop")
+
+    @classmethod
+    def fit_spans(cls, features: list[np.ndarray], stops: list[int], *, name: str = "stops") -> Normaliser:
+        """Statistics pooled over several series' training spans: rows ``LOOKBACK - 1 .. stops[i] - 1``
+        of each ``features[i] [N_i, F]`` (checked float arrays, ``0 <= stops[i] <= N_i``) without NaN;
+        one series gives exactly :meth:`fit`. ValueError naming ``name`` when fewer than 2 rows remain."""
+        rows = np.concatenate([f[LOOKBACK - 1:max(stop, LOOKBACK - 1)] for f, stop in zip(features, stops)])
         rows = rows[np.isfinite(rows).all(axis=1)]  # [n_finite, F]
         if rows.shape[0] < 2:
-            raise ValueError(f"stop: need at least 2 feature rows without NaN before it to fit, got {rows.shape[0]}")
+            raise ValueError(f"{name}: need at least 2 feature rows without NaN before it to fit, got {rows.shape[0]}")
         return cls(mean=rows.mean(axis=0), std=rows.std(axis=0) + 1e-12)
 
     def __call__(self, features: np.ndarray) -> np.ndarray:
@@ -178,16 +185,27 @@ def walk_forward(n_bars: int, *, window: int, horizon: int, embargo: int, folds:
     embargo, stride = check_int("embargo", embargo, minimum=0), check_int("stride", stride, minimum=1)
     folds = check_int("folds", folds, minimum=1)
     val_fraction = check_real("val_fraction", val_fraction, low=0.0, high=1.0, open_low=True, open_high=True)
-    first = LOOKBACK - 1 + window - 1  # the first window whose rows all have features
     span = int(n_bars * val_fraction) // folds
     out = []
     for i in range(folds):
         boundary = n_bars - (folds - i) * span
-        stop = min(boundary + span, n_bars - horizon)  # validation targets must exist
-        train_ends = np.arange(first, boundary - horizon, stride, dtype=np.int64)
-        val_ends = np.arange(boundary + embargo + window - 1, stop, dtype=np.int64)
+        split = split_at(boundary, boundary + span, n_bars, window=window, horizon=horizon, embargo=embargo,
+                         stride=stride)
+        train_ends, val_ends = split.train_ends, split.val_ends
         if train_ends.size < 1 or val_ends.size < 1:
             raise ValueError(f"n_bars: {n_bars} bars leave fold {i} with {train_ends.size} training and "
                              f"{val_ends.size} validation windows of {window} (need at least one each)")
-        out.append(Split(boundary=boundary, train_ends=train_ends, val_ends=val_ends))
+        out.append(split)
     return out
+
+
+def split_at(boundary: int, stop: int, n_bars: int, *, window: int, horizon: int, embargo: int,
+             stride: int = 1) -> Split:
+    """The windows on each side of bar ``boundary`` (ints, checked by the caller): training windows
+    end at ``e <= boundary - 1 - horizon`` every ``stride`` bars from the first whose rows all have
+    features; validation windows start at ``boundary + embargo`` or later and end before ``stop``
+    and ``n_bars - horizon`` (their targets must exist). Either side may be empty."""
+    first = LOOKBACK - 1 + window - 1  # the first window whose rows all have features
+    train_ends = np.arange(first, boundary - horizon, stride, dtype=np.int64)
+    val_ends = np.arange(boundary + embargo + window - 1, min(stop, n_bars - horizon), dtype=np.int64)
+    return Split(boundary=boundary, train_ends=train_ends, val_ends=val_ends)
