@@ -17,6 +17,11 @@ autocorrelation whose sign follows a volume regime; ``random-walk``: nothing to 
     python examples/train_market.py --quick --synthetic random-walk
     python examples/train_market.py --data glbx-ohlcv-1m.dbn.zst --steps 3000 --out runs/es
     python examples/train_market.py --data prices.csv --time-col date --close-col close --volume-col volume
+    python examples/train_market.py --data desk.dbn.zst --all-instruments --steps 3000 --out runs/desk
+
+Several instruments (``--instrument-id 1 2 3`` or ``--all-instruments``, DBN only) train one model on
+all their windows: one boundary time is shared by every instrument (``portable_ssm.market.panel``), the
+normaliser is fitted on every instrument's training span, and the saved ``MarketModel`` records them.
 """
 
 from __future__ import annotations
@@ -35,18 +40,22 @@ from portable_ssm.market import (
     Bars,
     MarketModel,
     Normaliser,
+    SharedSplit,
     bar_features,
     baselines,
     compare,
     losses,
     model_inputs,
     read_bars,
+    read_bars_by_instrument,
     read_table,
+    shared_normaliser,
+    shared_split,
+    stack_windows,
     synthetic_bars,
     targets,
     trailing_return,
     walk_forward,
-    windows,
     write_ohlcv_dbn,
 )
 from torch import nn
@@ -75,6 +84,23 @@ class MarketNet(nn.Module):
         return self.head(self.core(self.inp(x)))[..., 0]
 
 
+def several(args: argparse.Namespace) -> bool:
+    """Whether the run trains over several instruments of one DBN file."""
+    return args.all_instruments or len(args.instrument_id or ()) > 1
+
+
+def load_instruments(args: argparse.Namespace, out: Path) -> tuple[dict[int, Bars], str]:
+    """``{instrument_id: Bars}`` of the run (one entry, keyed by its id or 0, unless several were
+    asked for), and the data's path."""
+    if several(args):
+        if args.data is None or ".dbn" not in Path(args.data).suffixes:
+            raise SystemExit("--instrument-id with several ids / --all-instruments: needs --data with a DBN file")
+        bars = read_bars_by_instrument(args.data, instrument_ids=args.instrument_id, interval_ns=args.interval_ns)
+        return bars, str(args.data)
+    bars, source = load_bars(args, out)
+    return {args.instrument_id[0] if args.instrument_id else 0: bars}, source
+
+
 def load_bars(args: argparse.Namespace, out: Path) -> tuple[Bars, str]:
     """The bars of ``--data`` (DBN, csv, parquet), or a generated DBN file in ``out``; and its path."""
     if args.data is None:
@@ -84,7 +110,8 @@ def load_bars(args: argparse.Namespace, out: Path) -> tuple[Bars, str]:
         return read_bars(path), str(path)
     path = Path(args.data)
     if ".dbn" in path.suffixes:
-        return read_bars(path, instrument_id=args.instrument_id, interval_ns=args.interval_ns), str(path)
+        instrument = args.instrument_id[0] if args.instrument_id else None
+        return read_bars(path, instrument_id=instrument, interval_ns=args.interval_ns), str(path)
     if args.time_col is None or args.close_col is None:
         raise SystemExit("--data: a csv/parquet table needs --time-col and --close-col (columns are never guessed)")
     return read_table(path, time=args.time_col, close=args.close_col, open=args.open_col, high=args.high_col,
@@ -101,7 +128,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--low-col", help="table: low column (default: the close)")
     p.add_argument("--volume-col", help="table: volume column (default: zeros)")
     p.add_argument("--interval-ns", type=int, help="DBN trades / MBP-1: bar length in nanoseconds")
-    p.add_argument("--instrument-id", type=int, help="DBN: the instrument, when a file holds several")
+    p.add_argument("--instrument-id", type=int, nargs="+", help="DBN: the instrument(s), when a file holds "
+                   "several; more than one trains over all of them with one shared time boundary")
+    p.add_argument("--all-instruments", action="store_true", help="DBN: train over every instrument in the file")
     p.add_argument("--synthetic", choices=("planted", "random-walk"), default="planted",
                    help="without --data: what the generated DBN file holds")
     p.add_argument("--bars", type=int, default=12000, help="without --data: bars to generate")
@@ -118,7 +147,25 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     args = parse(p, DEFAULTS, QUICK, argv)
     if args.embargo is None:
         args.embargo = args.horizon
+    if several(args) and args.folds != 1:
+        raise SystemExit("--folds: several instruments train on one shared split (--folds 1)")
     return args
+
+
+def split_instruments(args: argparse.Namespace, bars: dict[int, Bars],
+                      raw: dict[int, np.ndarray]) -> tuple[SharedSplit, Normaliser]:
+    """The walk-forward split of each instrument and the normaliser fitted on the training spans:
+    one instrument as ``walk_forward`` cuts it (any fold), several about one shared boundary time."""
+    if len(bars) == 1:
+        (instrument, only), = bars.items()
+        split = walk_forward(len(only), window=args.seq_len, horizon=args.horizon, embargo=args.embargo,
+                             folds=args.folds, val_fraction=args.val_fraction, stride=args.stride)[args.fold]
+        boundary_ns = int(only.ts_event[split.boundary]) if split.boundary < len(only) else -1
+        return (SharedSplit(boundary_ns=boundary_ns, splits={instrument: split}),
+                Normaliser.fit(raw[instrument], split.boundary))
+    shared = shared_split(bars, window=args.seq_len, horizon=args.horizon, embargo=args.embargo,
+                          val_fraction=args.val_fraction, stride=args.stride)
+    return shared, shared_normaliser(raw, shared)
 
 
 def main() -> None:
@@ -126,19 +173,20 @@ def main() -> None:
     started = time.time()
     out = Path(args.out)
     dist = setup_distributed(args.device)
-    bars, source = load_bars(args, out)
-    split = walk_forward(len(bars), window=args.seq_len, horizon=args.horizon, embargo=args.embargo,
-                         folds=args.folds, val_fraction=args.val_fraction, stride=args.stride)[args.fold]
-    raw = bar_features(bars)  # [N, F]
-    normaliser = Normaliser.fit(raw, split.boundary)
-    x_all = model_inputs(raw, normaliser)  # [N, F] float32; a NaN feature (row 0, a missing bar) reads 0
-    target = targets(bars, horizon=args.horizon, kind=args.target)  # [N]
-    scale = float(target[split.train_ends].std()) if args.target == "return" else 1.0
-    y_all = np.nan_to_num(target / scale).astype(np.float32)  # [N]; NaN only past the training targets
-    x_train = torch.from_numpy(windows(x_all, split.train_ends, args.seq_len))  # [n_train, L, F]
-    y_train = torch.from_numpy(windows(y_all, split.train_ends, args.seq_len))  # [n_train, L]
-    x_val = torch.from_numpy(windows(x_all, split.val_ends, args.seq_len)).to(dist.device)  # [n_val, L, F]
-    y_val = torch.from_numpy(y_all[split.val_ends]).to(dist.device)  # [n_val]
+    bars, source = load_instruments(args, out)
+    raw = {i: bar_features(b) for i, b in bars.items()}  # {id: [N_i, F]}
+    split, normaliser = split_instruments(args, bars, raw)
+    train_ends = {i: s.train_ends for i, s in split.splits.items()}
+    val_ends = {i: s.val_ends for i, s in split.splits.items()}
+    x_all = {i: model_inputs(r, normaliser) for i, r in raw.items()}  # [N_i, F] float32; NaN features read 0
+    target = {i: targets(b, horizon=args.horizon, kind=args.target) for i, b in bars.items()}  # {id: [N_i]}
+    trained = np.concatenate([target[i][e] for i, e in train_ends.items()])  # [n_train]
+    scale = float(trained.std()) if args.target == "return" else 1.0
+    y_all = {i: np.nan_to_num(t / scale).astype(np.float32) for i, t in target.items()}  # NaN only past training
+    x_train = torch.from_numpy(stack_windows(x_all, train_ends, args.seq_len)[0])  # [n_train, L, F]
+    y_train = torch.from_numpy(stack_windows(y_all, train_ends, args.seq_len)[0])  # [n_train, L]
+    x_val = torch.from_numpy(stack_windows(x_all, val_ends, args.seq_len)[0]).to(dist.device)  # [n_val, L, F]
+    y_val = torch.from_numpy(np.concatenate([y_all[i][e] for i, e in val_ends.items()])).to(dist.device)  # [n_val]
 
     config = Mamba2Config(d_model=args.d_model, n_layer=args.n_layer, d_state=args.d_state, headdim=args.headdim)
     torch.manual_seed(args.seed)
@@ -172,17 +220,32 @@ def main() -> None:
                 latest["val"] = last_outputs(model)
         output = latest["val"].cpu().double().numpy()  # [n_val]
         prediction = output * scale if args.target == "return" else 1.0 / (1.0 + np.exp(-output))
-        model_loss, base_loss = per_bar_losses(args, bars, raw[:, 0], target, split, prediction)
+        model_loss, base_loss = instrument_losses(args, bars, raw, target, split, prediction)
         result = score(args, model_loss, base_loss)
         market_model(model, args, normaliser, scale, source, split).save(out, metadata={"step": exported_step(out)
                                                                                      or str(args.steps)})
         plot_validation(out / PREDICTIONS_PLOT, model_loss, base_loss)
         say(result)
         report(dist, {"example": "market", "data": source, "target": args.target, "horizon": args.horizon,
-                      **result, "val_objective": last(history, "val_loss"), "bars": len(bars),
-                      "train_windows": len(split.train_ends), "val_windows": len(split.val_ends),
+                      **result, "val_objective": last(history, "val_loss"),
+                      "bars": sum(len(b) for b in bars.values()), "instruments": list(bars),
+                      "train_windows": len(x_train), "val_windows": len(x_val),
                       "steps": args.steps, "seed": args.seed, "seconds": round(time.time() - started, 1)})
     teardown(dist)
+
+
+def instrument_losses(args: argparse.Namespace, bars: dict[int, Bars], raw: dict[int, np.ndarray],
+                      target: dict[int, np.ndarray], split: SharedSplit,
+                      prediction: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """:func:`per_bar_losses` of each instrument (its slice of ``prediction``, ids ascending), joined."""
+    pieces, start = [], 0
+    for i, s in split.splits.items():
+        stop = start + len(s.val_ends)
+        if len(s.val_ends):
+            pieces.append(per_bar_losses(args, bars[i], raw[i][:, 0], target[i], s, prediction[start:stop]))
+        start = stop
+    return (np.concatenate([m for m, _ in pieces]),
+            {name: np.concatenate([b[name] for _, b in pieces]) for name in pieces[0][1]})
 
 
 def per_bar_losses(args: argparse.Namespace, bars: Bars, returns: np.ndarray, target: np.ndarray, split,
@@ -213,15 +276,18 @@ def say(result: dict) -> None:
 
 
 def market_model(model: MarketNet, args: argparse.Namespace, normaliser: Normaliser, scale: float, source: str,
-                 split) -> MarketModel:
+                 split: SharedSplit) -> MarketModel:
     """The trained net as a :class:`MarketModel` (what ``stream_market.py`` loads with ``MarketModel.load``)."""
     head = {name: p.detach().float().cpu().contiguous() for name, p in model.named_parameters()
             if name.split(".")[0] in ("inp", "head")}
     params = {name: p.detach().cpu() for name, p in model.core.params().items()}
     return MarketModel(config=model.core.config, params=params, head=head, normaliser=normaliser,
                        target=args.target, horizon=args.horizon, target_scale=scale, seq_len=args.seq_len,
-                       instruments=() if args.instrument_id is None else (args.instrument_id,),
-                       info={"data": source, "boundary": split.boundary, "first_val_end": int(split.val_ends[0])})
+                       instruments=split.instruments if several(args) else tuple(args.instrument_id or ()),
+                       info={"data": source, "boundary_ns": split.boundary_ns,
+                             "boundary": {str(i): s.boundary for i, s in split.splits.items()},
+                             "first_val_end": {str(i): int(s.val_ends[0]) for i, s in split.splits.items()
+                                               if len(s.val_ends)}})
 
 
 def plot_validation(path: Path, model_loss: np.ndarray, base_loss: dict[str, np.ndarray]) -> None:

@@ -84,3 +84,36 @@ def test_stream_replays_the_runs_dbn_file_bar_by_bar(tmp_path, monkeypatch, caps
     assert result["bars"] == 300 and result["p99_us"] >= result["median_us"] > 0
     assert len(lines) == 3 and all("next 1-bar return" in line and "µs" in line for line in lines[:2]), lines
     assert np.isfinite(float(lines[0].split("return ")[1].split()[0]))
+
+
+def _desk_file(path: Path, instruments: tuple[int, ...], n: int) -> None:
+    """One OHLCV-1m DBN file of several instruments' bars interleaved in time (each a random walk)."""
+    import databento_dbn as dbn
+    from portable_ssm.market import ohlcv_records
+
+    records = np.concatenate([ohlcv_records(synthetic_bars("random-walk", n, seed=i), instrument_id=i)
+                              for i in instruments])
+    records = records[np.argsort(records["ts_event"], kind="stable")]
+    meta = dbn.Metadata(dataset="SYNTHETIC", start=int(records["ts_event"][0]), stype_in=dbn.SType.RAW_SYMBOL,
+                        stype_out=dbn.SType.INSTRUMENT_ID, schema=dbn.Schema.from_str("ohlcv-1m"), symbols=["SYN"])
+    path.write_bytes(meta.encode() + records.tobytes())
+
+
+@pytest.mark.parametrize("choose", [["--all-instruments"], ["--instrument-id", "11", "12", "13"]])
+def test_a_quick_run_over_three_instruments_saves_a_model_that_records_them(tmp_path, monkeypatch, capsys, choose):
+    from portable_ssm.market import MarketModel
+
+    _desk_file(tmp_path / "desk.dbn", (11, 12, 13), 200)
+    argv = ["--quick", *TINY, *choose, "--data", str(tmp_path / "desk.dbn"), "--out", str(tmp_path / "run")]
+    result, _ = run(train_market, argv, monkeypatch, capsys)
+    assert result["instruments"] == [11, 12, 13] and result["bars"] == 600
+    assert result["train_windows"] > 3 * 120  # every instrument's windows, not one's
+    model = MarketModel.load(tmp_path / "run", backend="numpy")
+    assert model.instruments == (11, 12, 13)
+    assert set(model.info["boundary"]) == {"11", "12", "13"}
+
+
+def test_several_instruments_need_a_dbn_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train_market", "--all-instruments", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="needs --data with a DBN file"):
+        train_market.main()
