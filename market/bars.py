@@ -172,11 +172,11 @@ def _columns(path: str, schema: str, records: np.ndarray) -> dict[str, np.ndarra
 
 class _Columns:
     """The chunks' columns joined into arrays allocated once: of the file's record count when it
-    bounds them (a plain file), else grown geometrically in place (``ndarray.resize``: realloc,
-    which moves a large block's pages without copying them), so the peak stays near the output."""
+    bounds them (a plain file), else of the zstd frame's content size when it records one, grown
+    geometrically (``ndarray.resize``) when the records outrun that hint."""
 
-    def __init__(self, capacity: int | None) -> None:
-        self.capacity, self.grows, self.out, self.n = capacity or 0, capacity is None, None, 0
+    def __init__(self, capacity: int, exact: bool) -> None:
+        self.capacity, self.grows, self.out, self.n = capacity, not exact, None, 0
 
     def add(self, columns: dict[str, np.ndarray]) -> None:
         m = columns["ts_event"].shape[0]
@@ -211,7 +211,7 @@ def read_dbn_columns(path: str | os.PathLike, *, instrument_id: int | None = Non
     malformed, truncated or out of time order (see :mod:`portable_ssm.market.dbn`)."""
     path = os.fspath(as_path("path", path))
     instrument_id = _as_instrument(instrument_id)
-    schema, sink = read_schema(path), _Columns(record_capacity(path))
+    schema, sink = read_schema(path), _Columns(*record_capacity(path))
     for schema, records in _selected(path, instrument_id, chunk_records):
         sink.add(_columns(path, schema, records))
     columns = sink.result(path, schema)

@@ -32,6 +32,7 @@ from ._checks import MarketDataError, check_int, open_regular
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_METADATA_BYTES = 64 << 20  # symbology mappings can be long; anything beyond this is refused
 CHUNK_RECORDS = 1 << 18  # records per chunk: 14 MiB of OHLCV, the bounded working set
+MAX_ZSTD_RATIO = 64  # a zstd frame's claimed content size is trusted up to this many times the file's size
 _ZSTD_PIECE = 1 << 12  # compressed bytes per decompress call: at most ~128 MiB out of one call
 
 _HEADER = [("length", "u1"), ("rtype", "u1"), ("publisher_id", "<u2"), ("instrument_id", "<u4"), ("ts_event", "<u8")]
@@ -200,13 +201,31 @@ def _open_stream(f: BinaryIO, path: str) -> tuple[str, np.dtype, bool, Iterator[
     return schema, layout(schema, ts_out=bool(metadata.ts_out)), compressed, stream, rest
 
 
-def record_capacity(path: str | os.PathLike) -> int | None:
-    """At most how many records a plain DBN file holds (from its size; None for zstd)."""
+def record_capacity(path: str | os.PathLike) -> tuple[int, bool]:
+    """``(records, exact)``: a plain DBN file holds at most ``records`` (from its size; ``exact``
+    True); a zstd one about that many when its first frame records its content size (capped at
+    :data:`MAX_ZSTD_RATIO` times the file's size, a claim is not trusted), else 0 (``exact`` False:
+    a hint to allocate by, the reader grows past it)."""
     path = os.fspath(path)
     f, size = open_regular(path)
     with f:
         _, dtype, compressed, _, _ = _open_stream(f, path)
-        return None if compressed else max(size - f.tell(), 0) // dtype.itemsize
+        if not compressed:
+            return max(size - f.tell(), 0) // dtype.itemsize, True
+        f.seek(0)
+        content = _frame_content_size(f.read(18))
+        return min(content or 0, size * MAX_ZSTD_RATIO) // dtype.itemsize, False
+
+
+def _frame_content_size(header: bytes) -> int | None:
+    """The decompressed size a zstd frame header records, or None (unknown or unreadable)."""
+    import zstandard
+
+    try:
+        content = zstandard.get_frame_parameters(header).content_size
+    except zstandard.ZstdError:
+        return None
+    return None if content in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) else content
 
 
 def _fill(stream: Iterator[bytes], size: int) -> Iterator[memoryview]:

@@ -121,3 +121,25 @@ def test_one_instrument_out_of_time_order_is_refused_naming_its_record(tmp_path)
     (tmp_path / "o.dbn").write_bytes(data)
     with pytest.raises(MarketDataError, match="record 3 has ts_event 4, earlier than record 1's 5"):
         read_bars_by_instrument(tmp_path / "o.dbn")
+
+
+
+def test_a_zstd_frames_content_size_sizes_the_columns_and_a_larger_claim_is_capped(tmp_path):
+    from portable_ssm.market import MarketDataError
+    from portable_ssm.market.dbn import MAX_ZSTD_RATIO, record_capacity
+
+    records = _records("ohlcv-1s", 300, seed=4)
+    data = _metadata("ohlcv-1s") + b"".join(bytes(r) for r in records)
+    for name, sized in (("sized", True), ("unsized", False)):
+        path = tmp_path / f"{name}.dbn.zst"
+        path.write_bytes(zstandard.ZstdCompressor(write_content_size=sized).compress(data))
+        assert record_capacity(path) == ((len(data) // 56 if sized else 0), False)  # a hint (header included)
+        np.testing.assert_array_equal(read_dbn_columns(path, instrument_id=2)[1]["open"],
+                                      _reference(records, "ohlcv-1s", 2)["open"])
+    # 10^5 zero records compress far beyond the ratio trusted: the hint is capped by the file's size
+    path = tmp_path / "zeros.dbn.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(data + bytes(56 * 10**5)))
+    assert record_capacity(path) == (path.stat().st_size * MAX_ZSTD_RATIO // 56, False)
+    assert record_capacity(path)[0] < 10**5
+    with pytest.raises(MarketDataError, match="record 300 has length 0 bytes"):
+        read_dbn_columns(path)
