@@ -146,10 +146,11 @@ def _write_files(folder: Path, records: int) -> dict[str, Path]:
         files[name] = path
         del r
         if instruments == 1:
-            packed = folder / f"{name}.dbn.zst"
-            with path.open("rb") as src, packed.open("wb") as dst:
-                zstandard.ZstdCompressor(level=1).copy_stream(src, dst)
-            files[name + ".zst"] = packed
+            for suffix, size in ((".zst", None), (".sized.zst", path.stat().st_size)):  # size: in the frame
+                packed = folder / f"{name}.dbn{suffix}"
+                with path.open("rb") as src, packed.open("wb") as dst:
+                    zstandard.ZstdCompressor(level=1).copy_stream(src, dst, size=-1 if size is None else size)
+                files[name + suffix] = packed
     return files
 
 
@@ -208,6 +209,8 @@ def reading(records: int, reference_records: int) -> list[dict]:
         small = _write_files(Path(tmp) / "small", reference_records)
         cases = [("OHLCV-1s, all columns", files["ohlcv"], "columns", records),
                  ("OHLCV-1s + zstd, all columns", files["ohlcv.zst"], "columns", records),
+                 ("OHLCV-1s + zstd (content size in the frame), all columns", files["ohlcv.sized.zst"], "columns",
+                  records),
                  ("OHLCV-1s, 10 instruments, one chosen", files["ohlcv10"], "filter", records),
                  ("trades -> 1 s bars", files["trades"], "bars", records),
                  ("trades + zstd -> 1 s bars", files["trades.zst"], "bars", records),
