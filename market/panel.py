@@ -42,7 +42,7 @@ def _check_bars(bars: Mapping[int, Bars]) -> dict[int, Bars]:
     if not isinstance(bars, Mapping) or not bars:
         raise TypeError(f"bars: expected a non-empty mapping of instrument id -> Bars, got {type(bars).__name__}")
     out = {}
-    for key in sorted(bars, key=lambda k: (not isinstance(k, int), str(k))):
+    for key in bars:
         instrument = check_int("bars (an instrument id)", key, minimum=0, maximum=2**32 - 1)
         if not isinstance(bars[key], Bars):
             raise TypeError(f"bars[{key!r}]: expected Bars, got {type(bars[key]).__name__}")
