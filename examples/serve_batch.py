@@ -77,9 +77,12 @@ def serve(params: dict, config: ps.Mamba2Config, requests: list[Request], slots:
 
     tick = steps = 0
     while waiting or busy:
-        while waiting and requests[waiting[0]].arrival <= tick and requests[waiting[0]].max_new_tokens == 0:
-            waiting.pop(0)  # nothing to generate: no slot, no prefill
-        while waiting and free and requests[waiting[0]].arrival <= tick:  # admit
+        while waiting and requests[waiting[0]].arrival <= tick:  # admit, in arrival order
+            if requests[waiting[0]].max_new_tokens == 0:
+                waiting.pop(0)  # nothing to generate: no slot, no prefill
+                continue
+            if not free:
+                break
             r, slot = waiting.pop(0), free.pop(0)
             logits, state = lm.logits(np.asarray([requests[r].prompt]), params, config=config, return_state=True)
             pool = write_state(pool, np.asarray([slot]), state)

@@ -165,6 +165,12 @@ def test_a_zero_token_budget_ends_at_once_without_a_slot() -> None:
     assert outputs == [[], serve_batch.solo(PARAMS, CONFIG, requests[1]), []]
 
 
+def test_a_zero_token_budget_behind_a_one_token_request_gets_no_token() -> None:
+    requests = [Request((0,), 1), Request((0,), 0)]  # the first frees its slot at admission
+    outputs, _ = _serve(requests, slots=1)  # the second was admitted into it and given a token before
+    assert outputs == [serve_batch.solo(PARAMS, CONFIG, requests[0]), []]
+
+
 VALID_REQUEST = st.builds(Request, prompt=st.lists(st.integers(0, 39), min_size=1, max_size=4).map(tuple),
                           max_new_tokens=st.integers(0, 4), arrival=st.integers(0, 3))
 HOSTILE_FIELD = st.one_of(
