@@ -28,6 +28,9 @@ from typing import Any
 
 from ._array import Array, Namespace, constant, device
 
+#: The default ``eos_token_id`` of the models' ``generate`` and ``stream``: the checkpoint's own.
+CHECKPOINT_EOS = "checkpoint"
+
 #: Prompt positions compared against the vocabulary at a time when the seen tokens are collected.
 _SEEN_BLOCK = 64
 
@@ -278,6 +281,19 @@ def check_options(length: int, rows: int, **options: Any) -> Options:
                    penalty=None if penalty in (None, 1.0) else penalty, eos=eos, fill=fill, stop=stops,
                    processor=o.get("logits_processor"), vocab=vocab, seed=o.get("seed"),
                    compile=o.get("compile"))
+
+
+def call_options(defaults: dict[str, Any], max_new_tokens: int | None, eos_token_id: Any,
+                 options: dict[str, Any]) -> dict[str, Any]:
+    """A model's ``defaults`` (its vocab_size, eos and generation_config) overridden by one call's
+    explicit options, as in transformers (a default max_new_tokens still wins over an explicit
+    max_length). ``eos_token_id``: :data:`CHECKPOINT_EOS` keeps the default; None never stops early."""
+    explicit = {k: v for k, v in options.items() if v is not None}
+    if max_new_tokens is not None:
+        explicit["max_new_tokens"] = max_new_tokens
+    if not (isinstance(eos_token_id, str) and eos_token_id == CHECKPOINT_EOS):
+        explicit["eos_token_id"] = eos_token_id
+    return {**defaults, **explicit}
 
 
 def seen_tokens(ids: Array, valid: Array | None, vocab: int, *, xp: Namespace) -> Array:

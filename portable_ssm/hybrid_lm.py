@@ -13,21 +13,28 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._array import Array, Namespace, device, namespace
-from ._checks import Shapes, check_int
+from ._checks import Shapes, check_bool, check_int
+from .generation import TokenChooser, check_id_dtype
+from .generation_options import CHECKPOINT_EOS, Limits, Options, call_options, check_generation_config, check_options
 from .lm import check_token_ids
 from .padding import check_attention_mask
+from .prompts import prompt_arrays
 from .stack import HybridConfig, HybridState, check_room, embed_tokens, empty_hybrid_state, head, run_layers
 
 
 class HybridLM:
     """A hybrid language model (loaded by :func:`portable_ssm.load_pretrained` from a Granite-4.0-H,
-    Bamba, ... folder). ``params``: core names (:mod:`portable_ssm.stack`), one backend and dtype."""
+    Bamba, ... folder). ``params``: core names (:mod:`portable_ssm.stack`), one backend and dtype;
+    ``generation_config``: defaults for :meth:`generate` and :meth:`stream` (the folder's
+    ``generation_config.json``), checked as the Mamba-2 model's."""
 
     def __init__(self, params: dict[str, Array], config: HybridConfig, *, eos_token_id: Any = None,
-                 notes: tuple[str, ...] = ()) -> None:
+                 notes: tuple[str, ...] = (), generation_config: dict[str, Any] | None = None) -> None:
         if not isinstance(config, HybridConfig):
             raise TypeError(f"config: expected a HybridConfig, got {type(config).__name__}")
         self.params, self.config, self.eos_token_id, self.notes = params, config, eos_token_id, notes
+        self.generation_config = check_generation_config({} if generation_config is None else generation_config,
+                                                         Limits(vocab=config.vocab_size, rows=config.vocab_size))
         first = params["embedding.weight"]
         self._xp: Namespace = namespace(**{"params['embedding.weight']": first})
 
@@ -116,45 +123,61 @@ class HybridLM:
         hidden, state = run_layers(x, self.params, self.config, state, tokens, None, xp=xp, one_token=True)
         return head(hidden, self.params, self.config, xp=xp), state
 
-    def stream(self, input_ids: Array, *, max_new_tokens: int, attention_mask: Array | None = None,
-               state: HybridState | None = None, eos_token_id: Any = "config",
-               pad_token_id: int | None = None) -> Iterator[tuple[Array, HybridState]]:
-        """Greedy tokens one step at a time: yields ``(token [b], state after the tokens so far)``.
-        ``input_ids [b, l]`` (left-padded rows with ``attention_mask``) is prefilled once, then
-        one-token steps run on the KV cache; with ``state`` (a returned one) the prompt continues
-        it. ``eos_token_id`` (default: the checkpoint's; None: never stop): a row that emitted it
-        emits ``pad_token_id`` (default: the first eos id) from then on, and the stream ends once
-        every row has (the finished rows' state keeps taking the filler)."""
-        check_int("max_new_tokens", max_new_tokens, minimum=1)
-        xp = self._xp
-        eos = self.eos_token_id if eos_token_id == "config" else eos_token_id
-        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        fill = eos[0] if pad_token_id is None and eos else (pad_token_id or 0)
-        b, l = input_ids.shape if getattr(input_ids, "ndim", 0) == 2 else (1, 0)
-        if state is None:
-            state = self.empty_state(b, l + max_new_tokens)
-        logits, state = self.prefill(input_ids, attention_mask=attention_mask, state=state)
-        logits, finished = logits[:, -1, :], None
-        for i in range(max_new_tokens):
-            token = xp.argmax(logits, axis=-1)
-            if finished is not None:
-                token = xp.where(finished, xp.full_like(token, fill), token)
-            if eos:
-                ends = xp.any(xp.stack([token == e for e in eos], axis=-1), axis=-1)  # [b]
-                finished = ends if finished is None else finished | ends
-            yield token, state
-            if i + 1 == max_new_tokens or (finished is not None and bool(xp.all(finished))):
-                return
-            logits, state = self.step(token, state)
+    def _prepared(self, input_ids: Any, attention_mask: Any, max_new_tokens: int | None, eos_token_id: Any,
+                  options: dict[str, Any]) -> tuple[Array, Array | None, Options]:
+        """The call's ids and mask as arrays (lists left-padded) and its options checked
+        (:mod:`portable_ssm.generation_options`, the Mamba-2 model's own rules and defaults)."""
+        ids, mask = prompt_arrays(input_ids, attention_mask, rows=self.config.vocab_size,
+                                  like=self.params["embedding.weight"])
+        if getattr(ids, "ndim", 0) != 2:
+            raise ValueError(f"input_ids: expected shape [b, l], got {tuple(ids.shape)}")
+        if options.get("compile") is not None:
+            raise ValueError(f"compile: a hybrid model's steps run eagerly, got {options['compile']!r}")
+        defaults = {"eos_token_id": self.eos_token_id, **self.generation_config}
+        o = check_options(ids.shape[1], self.config.vocab_size,
+                          **call_options(defaults, max_new_tokens, eos_token_id, options))
+        check_id_dtype(ids, o, xp=self._xp)
+        return ids, mask, o
 
-    def generate(self, input_ids: Array, *, max_new_tokens: int, attention_mask: Array | None = None,
-                 state: HybridState | None = None, return_state: bool = False, eos_token_id: Any = "config",
-                 pad_token_id: int | None = None) -> Array | tuple[Array, HybridState]:
-        """Greedy continuation ``[b, new]`` of ``input_ids [b, l]`` (:meth:`stream`'s tokens side by
-        side, ``new <= max_new_tokens``); with ``return_state`` also the state after the prompt and
-        every returned token but the last (feed that one to :meth:`step` or a next prompt)."""
+    def stream(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
+               state: HybridState | None = None, eos_token_id: Any = CHECKPOINT_EOS,
+               **options: Any) -> Iterator[tuple[Array, HybridState]]:
+        """New tokens one step at a time: yields ``(token [b], state after the tokens so far)``.
+        ``input_ids [b, l]`` (an array, or a list of prompts: unequal ones are left-padded; left-padded
+        array rows take ``attention_mask``) is prefilled once, then one-token steps run on the KV
+        cache; with ``state`` (a returned one) the prompt continues it.
+
+        Options, defaults and checks are the Mamba-2 model's (:func:`portable_ssm.generation.generate`):
+        ``max_new_tokens`` / ``max_length``, ``min_new_tokens``, ``do_sample``, ``temperature``,
+        ``top_k``, ``top_p``, ``seed``, ``repetition_penalty``, ``eos_token_id`` (default: the
+        checkpoint's; None: never stop), ``pad_token_id``, ``stop``, ``logits_processor``, unset ones
+        from :attr:`generation_config`; the tokens are chosen by the same
+        :class:`~portable_ssm.generation.TokenChooser`. A finished row emits the filler from then on
+        (its state keeps taking it) and the stream ends once every row has finished."""
+        ids, mask, o = self._prepared(input_ids, attention_mask, max_new_tokens, eos_token_id, options)
+        b, l = ids.shape
+        if state is None:
+            state = self.empty_state(b, l + o.new)
+        logits, state = self.prefill(ids, attention_mask=mask, state=state)
+        chooser = TokenChooser(o, ids, mask, xp=self._xp)
+        last = logits[:, -1, :]  # [b, V]
+        for _ in range(o.new):
+            token, _, done = chooser.next(last)
+            yield token, state
+            if done:
+                return
+            last, state = self.step(token, state)
+
+    def generate(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
+                 state: HybridState | None = None, return_state: bool = False, eos_token_id: Any = CHECKPOINT_EOS,
+                 **options: Any) -> Array | tuple[Array, HybridState]:
+        """The continuation ``[b, new]`` of ``input_ids [b, l]`` (:meth:`stream`'s tokens side by
+        side, ``new <= max_new_tokens``; arguments as there); with ``return_state`` also the state
+        after the prompt and every returned token but the last (feed that one to :meth:`step` or
+        a next prompt)."""
+        check_bool("return_state", return_state)
         xp = self._xp
-        steps = list(self.stream(input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
-                                 state=state, eos_token_id=eos_token_id, pad_token_id=pad_token_id))
+        steps = list(self.stream(input_ids, max_new_tokens, attention_mask=attention_mask, state=state,
+                                 eos_token_id=eos_token_id, **options))
         ids = xp.stack([token for token, _ in steps], axis=1)  # [b, new]
         return (ids, steps[-1][1]) if return_state else ids
