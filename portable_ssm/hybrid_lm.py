@@ -19,7 +19,12 @@ from .generation_options import CHECKPOINT_EOS, Limits, Options, call_options, c
 from .lm import check_token_ids
 from .padding import check_attention_mask
 from .prompts import prompt_arrays
+from .quantized import QUANTIZED_LEAVES, quantize
 from .stack import HybridConfig, HybridState, check_room, embed_tokens, empty_hybrid_state, head, run_layers
+
+#: The hybrid weights (their last two name parts) :meth:`HybridLM.quantize` stores in low precision.
+QUANTIZED = QUANTIZED_LEAVES + ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "up.weight",
+                                "down.weight", "linear.weight")
 
 
 class HybridLM:
@@ -68,6 +73,20 @@ class HybridLM:
             rows.append(("attention", f"heads {a.n_heads}, kv heads {a.n_kv_heads}, head_dim {a.head_dim}, "
                                       f"rotary {a.rotary_dim or 'none (nope)'}"))
         return rows + [("note", note) for note in self.notes]
+
+    def quantize(self, kind: str) -> HybridLM:
+        """This model with every projection stored as ``kind`` (``"int8"``, ``"bfloat16"``;
+        ``"float32"``: this model itself), through :func:`portable_ssm.quantize` and the Mamba-2
+        model's matmul: attention q/k/v/o, the MLPs, the Mamba in/out projections, Zamba2's
+        linear, the embedding and the head (:data:`QUANTIZED`). The MoE routers and the stacked
+        experts ``[E, out, in]`` stay float32, as do norms, convs, biases and the SSM scalars."""
+        names = [k for k, v in self.params.items()
+                 if ".".join(k.split(".")[-2:]) in QUANTIZED and "experts." not in k and v.ndim == 2]
+        params = quantize(self.params, kind, names=names)
+        if kind == "float32":
+            return self
+        return HybridLM(params, self.config, eos_token_id=self.eos_token_id, notes=self.notes,
+                        generation_config=self.generation_config)
 
     def empty_state(self, batch: int, max_len: int) -> HybridState:
         """A zero state for ``batch`` rows with KV caches of ``max_len`` tokens."""

@@ -35,6 +35,7 @@ from .blocks.attention import AttentionSpec, KVCache, Positions, advance, attent
 from .blocks.mlp import MLPSpec, mlp
 from .blocks.moe import MoESpec, moe
 from .config import Mamba2Config
+from .lm import embed
 from .mixer import _linear, mixer, mixer_step
 from .norm import rms_norm
 from .params import param_shapes as mamba_shapes
@@ -230,9 +231,7 @@ def head(hidden: Array, params: dict[str, Array], config: HybridConfig, *, xp: N
 
 def embed_tokens(ids: Array, params: dict[str, Array], config: HybridConfig, *, xp: Namespace) -> Array:
     """``ids [...]`` -> ``[..., d_model]`` rows of the embedding, times embedding_multiplier."""
-    table = params["embedding.weight"]
-    flat = xp.take(table, xp.reshape(ids, (-1,)), axis=0)  # [prod(ids.shape), d_model]
-    out = xp.reshape(flat, (*ids.shape, table.shape[1]))  # [..., d_model]
+    out = embed(ids, params, xp=xp)  # [..., d_model], a quantized table's rows widened
     return out if config.embedding_multiplier == 1.0 else out * config.embedding_multiplier
 
 
