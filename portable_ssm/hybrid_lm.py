@@ -20,7 +20,18 @@ from .lm import check_token_ids
 from .padding import check_attention_mask
 from .prompts import prompt_arrays
 from .quantized import QUANTIZED_LEAVES, quantize
-from .stack import HybridConfig, HybridState, check_room, embed_tokens, empty_hybrid_state, head, run_layers
+from .stack import (
+    HybridConfig,
+    HybridState,
+    check_room,
+    embed_tokens,
+    empty_hybrid_state,
+    gather_hybrid,
+    head,
+    run_layers,
+    scatter_hybrid,
+)
+from .state_pool import check_state_batch_indices
 
 #: The hybrid weights (their last two name parts) :meth:`HybridLM.quantize` stores in low precision.
 QUANTIZED = QUANTIZED_LEAVES + ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "up.weight",
@@ -128,12 +139,25 @@ class HybridLM:
         """``input_ids [b, l]`` -> ``logits [b, l, V]`` (transformers' ``model(ids).logits``)."""
         return self.prefill(input_ids, attention_mask=attention_mask)[0]
 
-    def step(self, token: Array, state: HybridState) -> tuple[Array, HybridState]:
-        """One token per row ``token [b]`` after ``state``: ``(logits [b, V], new state)``."""
+    def step(self, token: Array, state: HybridState, *,
+             state_batch_indices: Array | None = None) -> tuple[Array, HybridState]:
+        """One token per row ``token [b]`` after ``state``: ``(logits [b, V], new state)``.
+
+        With ``state_batch_indices [b]`` (distinct ints, :mod:`portable_ssm.state_pool`) ``state``
+        is a pool of slots (:meth:`empty_state` of the pool's size, requests put in with
+        :meth:`pool_put`): row i reads and updates slot ``state_batch_indices[i]``, every other slot
+        is returned as it was. The pool's KV caches advance one slot per pool step, whoever steps
+        (a slot's skipped KV slots stay invalid), so ``max_len`` bounds the pool's steps."""
         xp = self._xp
         if not isinstance(state, HybridState):
             raise TypeError(f"state: expected a HybridState, got {type(state).__name__}")
         namespace(token=token, **{"params['embedding.weight']": self.params["embedding.weight"]})
+        if state_batch_indices is not None:
+            Shapes().check("token", token, ("b",))
+            check_state_batch_indices(state_batch_indices, state.positions.valid.shape[0], token.shape[0],
+                                      "token", token, xp=xp)
+            logits, rows = self.step(token, gather_hybrid(state, state_batch_indices, xp=xp))
+            return logits, scatter_hybrid(state, state_batch_indices, rows, xp=xp)
         Shapes(b=state.positions.valid.shape[0]).check("token", token, ("b",))
         check_token_ids("token", token, self.config.vocab_size, xp=xp)
         check_room(state, 1)
@@ -141,6 +165,18 @@ class HybridLM:
         x = embed_tokens(token, self.params, self.config, xp=xp)
         hidden, state = run_layers(x, self.params, self.config, state, tokens, None, xp=xp, one_token=True)
         return head(hidden, self.params, self.config, xp=xp), state
+
+    def pool_put(self, pool: HybridState, state_batch_indices: Array, rows: HybridState) -> HybridState:
+        """A new pool with the slots ``state_batch_indices [b]`` holding ``rows`` (e.g. a request's
+        :meth:`prefill` state of the pool's ``max_len``)."""
+        for name, value in (("pool", pool), ("rows", rows)):
+            if not isinstance(value, HybridState):
+                raise TypeError(f"{name}: expected a HybridState, got {type(value).__name__}")
+        if rows.max_len != pool.max_len:
+            raise ValueError(f"rows: expected KV caches of the pool's max_len {pool.max_len}, got {rows.max_len}")
+        check_state_batch_indices(state_batch_indices, pool.positions.valid.shape[0], rows.positions.valid.shape[0],
+                                  "rows.positions.valid", rows.positions.valid, xp=self._xp)
+        return scatter_hybrid(pool, state_batch_indices, rows, xp=self._xp)
 
     def _prepared(self, input_ids: Any, attention_mask: Any, max_new_tokens: int | None, eos_token_id: Any,
                   options: dict[str, Any]) -> tuple[Array, Array | None, Options]:
