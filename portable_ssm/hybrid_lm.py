@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ._array import Array, Namespace, device, namespace
+from ._array import Array, Namespace, array_backend, device, dtype_name, namespace
 from ._checks import Shapes, check_bool, check_int
 from .generation import TokenChooser, check_id_dtype
 from .generation_options import CHECKPOINT_EOS, Limits, Options, call_options, check_generation_config, check_options
@@ -55,8 +55,18 @@ class HybridLM:
         self._xp: Namespace = namespace(**{"params['embedding.weight']": first})
 
     @property
-    def dtype(self) -> Any:
-        return self.params["embedding.weight"].dtype
+    def dtype(self) -> str:
+        """The parameters' dtype by name (as :attr:`portable_ssm.Mamba2LM.dtype`)."""
+        return dtype_name(self.params["embedding.weight"].dtype)
+
+    @property
+    def backend(self) -> str:
+        return array_backend(self.params["embedding.weight"])
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids generation may choose (the head's rows)."""
+        return self.config.vocab_size
 
     @property
     def num_parameters(self) -> int:
