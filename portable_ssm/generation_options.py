@@ -303,9 +303,10 @@ def seen_tokens(ids: Array, valid: Array | None, vocab: int, *, xp: Namespace) -
     cols = xp.arange(vocab, dtype=ids.dtype, device=device(ids))
     seen = xp.zeros((b, vocab), dtype=xp.bool, device=device(ids))
     for start in range(0, l, _SEEN_BLOCK):
-        hit = ids[:, start:start + _SEEN_BLOCK, None] == cols  # [b, t, vocab]
+        stop = min(start + _SEEN_BLOCK, l)  # in bounds: the standard leaves a stop past the end unspecified
+        hit = ids[:, start:stop, None] == cols  # [b, t, vocab]
         if valid is not None:
-            hit = hit & valid[:, start:start + _SEEN_BLOCK, None]
+            hit = hit & valid[:, start:stop, None]
         seen = seen | xp.any(hit, axis=1)
     return seen
 

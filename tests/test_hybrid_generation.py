@@ -112,7 +112,7 @@ def test_list_prompts_are_left_padded_and_give_each_row_alone(xp, granite):
     got = xp.numpy(lm.generate(prompts, NEW, eos_token_id=None))
     alone = xp.numpy(lm.generate([prompts[1]], NEW, eos_token_id=None))
     np.testing.assert_array_equal(got[1], alone[0])
-    np.testing.assert_array_equal(got[0], xp.numpy(lm.generate(ids[:1], NEW, eos_token_id=None))[0])
+    np.testing.assert_array_equal(got[0], xp.numpy(lm.generate(ids[0:1, :], NEW, eos_token_id=None))[0])
     streamed = np.stack([xp.numpy(t) for t, _ in lm.stream(prompts, NEW, eos_token_id=None)], axis=1)
     np.testing.assert_array_equal(streamed, got)
 

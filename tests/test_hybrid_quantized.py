@@ -20,9 +20,8 @@ pytest.importorskip("transformers")
 def test_quantized_hybrid_logits_and_tokens_equal_float32_on_the_dequantized_weights(xp, case, kind):  # noqa: F811
     lm = portable_ssm.load_pretrained(case["folder"], backend=xp.name, device=xp.device, weights=kind)
     stored = {k for k, v in lm.params.items() if isinstance(v, QuantizedWeight)}
-    projections = {k for k, v in lm.params.items() if k.endswith(("proj.weight", "up.weight", "down.weight",
-                                                                   "linear.weight", "embedding.weight", "lm_head.weight"))
-                   and "experts." not in k}
+    leaves = ("proj.weight", "up.weight", "down.weight", "linear.weight", "embedding.weight", "lm_head.weight")
+    projections = {k for k in lm.params if k.endswith(leaves) and "experts." not in k}
     assert stored == projections and all(lm.params[k].kind == kind for k in stored)
     reference = HybridLM({k: dequantize(v, xp=xp.namespace) if k in stored else v for k, v in lm.params.items()},
                          lm.config, eos_token_id=lm.eos_token_id)
