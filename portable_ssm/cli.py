@@ -40,6 +40,7 @@ from . import __version__
 from .backends import NAMES
 from .cli_args import ERROR_STATUS, Parser, count, nonempty_path, number
 from .host import retain_unless_disabled
+from .hybrid_lm import HybridLM
 from .io import CheckpointError, load_pretrained
 from .io.atomic import replace_atomically
 from .io.paths import check_inside, read_regular, regular
@@ -168,7 +169,7 @@ def _check_device(backend: str, device: str | None) -> None:
             raise ValueError(f"--device {device}: jax has no {platform!r} device ({err})") from None
 
 
-def _load(args: argparse.Namespace, path: str) -> Mamba2LM:
+def _load(args: argparse.Namespace, path: str) -> Mamba2LM | HybridLM:
     _check_device(args.backend, getattr(args, "device", None))
     return load_pretrained(path, backend=args.backend, dtype=args.dtype, device=getattr(args, "device", None),
                            weights=getattr(args, "weights", "float32"))
@@ -186,6 +187,8 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
     tokens = lm.stream([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, seed=args.seed, eos_token_id=None if eos == -1 else eos,
                        compile=True if args.compile else None)
+    if isinstance(lm, HybridLM):  # its stream yields (token, state)
+        tokens = (token for token, _ in tokens)
     shown = _write_new(out, decode(ids), "", final=True)
     for token in tokens:
         ids.append(int(token[0]))

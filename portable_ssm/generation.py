@@ -60,6 +60,7 @@ from ._checks import Shapes, check_bool, check_given, check_same_device
 from .backends import fast_op, load, to_backend
 from .config import Mamba2Config
 from .generation_options import (
+    Options,
     add_seen,
     ban,
     check_options,
@@ -74,7 +75,7 @@ from .padding import check_attention_mask
 from .params import Params, check_params
 from .prompts import left_pad
 
-__all__ = ["generate", "left_pad", "next_token", "stream"]
+__all__ = ["TokenChooser", "generate", "left_pad", "next_token", "stream"]
 
 
 def _mask_below(scores: Array, threshold: Array, *, xp: Namespace) -> Array:
@@ -130,8 +131,6 @@ def next_token(logits: Array, *, temperature: float = 0.0, top_k: int | None = N
     if temperature > 0 and not hasattr(rng, "uniform"):
         raise TypeError(f"rng: temperature > 0 needs a numpy.random.Generator, got {type(rng).__name__}")
     return _choose(logits, temperature, top_k, top_p, rng, xp=xp)
-
-
 
 
 def _keep_finished(old: Mamba2State, new: Mamba2State, active: Array, *, xp: Namespace) -> Mamba2State:
@@ -201,6 +200,63 @@ def _processed(processor: Callable[[Array, Array], Array], input_ids: Array, gen
     return out
 
 
+def check_id_dtype(input_ids: Array, options: Options, *, xp: Namespace) -> None:
+    """TypeError unless ``input_ids``' dtype holds every id generation may choose (new tokens come
+    back in it)."""
+    if xp.iinfo(input_ids.dtype).max < options.vocab - 1:
+        raise TypeError(f"input_ids: dtype {dtype_name(input_ids.dtype)} holds ids up to "
+                        f"{xp.iinfo(input_ids.dtype).max} but new tokens go up to {options.vocab - 1}; "
+                        f"pass int32 or int64 ids")
+
+
+class TokenChooser:
+    """The per-step "scores -> next token" of every model's generation (:class:`portable_ssm.Mamba2LM`
+    and :class:`portable_ssm.HybridLM` both call it): repetition penalty, min_new_tokens, the user's
+    processor and the sampling on ``logits [b, rows]``, then the finished rows' bookkeeping (eos ids,
+    stop sequences, the filler they emit from then on).
+
+    ``options`` are checked (:func:`~portable_ssm.generation_options.check_options`);
+    ``input_ids [b, l]`` the prompt (new tokens come in its dtype), ``attention_mask [b, l]`` or
+    None its left padding (padding is not "seen" by the repetition penalty)."""
+
+    def __init__(self, options: Options, input_ids: Array, attention_mask: Array | None, *, xp: Namespace) -> None:
+        o = options
+        self.xp, self.options, self.input_ids = xp, o, input_ids
+        self.rng = load("numpy").rng(o.seed) if o.temperature > 0 else None
+        valid = None if attention_mask is None else xp.astype(attention_mask, xp.bool)
+        self.seen = None if o.penalty is None else seen_tokens(input_ids, valid, o.vocab, xp=xp)
+        self.fill = None if o.fill is None else xp.full((input_ids.shape[0],), o.fill, dtype=input_ids.dtype,
+                                                        device=device(input_ids))
+        self.generated: list[Array] = []
+        self.finished: Array | None = None
+
+    def next(self, last: Array) -> tuple[Array, Array | None, bool]:
+        """``last [b, rows]`` (the logits after the tokens so far) -> ``(token [b], fed, done)``:
+        ``fed [b]`` bool the rows whose token is a real one (None: all; the others emit the
+        filler), ``done`` once this was the last token (max_new_tokens, or every row finished)."""
+        xp, o = self.xp, self.options
+        scores = last[:, :o.vocab]  # [b, vocab]
+        if self.seen is not None:
+            scores = penalize(scores, self.seen, o.penalty, xp=xp)
+        if len(self.generated) < o.min_new and o.eos:
+            scores = ban(scores, o.eos, xp=xp)
+        if o.processor is not None:
+            scores = _processed(o.processor, self.input_ids, self.generated, scores, xp=xp)
+        token = xp.astype(_choose(scores, o.temperature, o.top_k, o.top_p, self.rng, xp=xp),
+                          self.input_ids.dtype)  # [b]
+        fed = None if self.finished is None else xp.logical_not(self.finished)
+        if self.finished is not None:
+            token = xp.where(self.finished, self.fill, token)
+        self.generated.append(token)
+        ends = finishing(token, self.generated, o, xp=xp)
+        if ends is not None:
+            self.finished = ends if self.finished is None else self.finished | ends
+        if self.seen is not None:
+            self.seen = add_seen(self.seen, token, xp=xp)
+        done = len(self.generated) == o.new or (self.finished is not None and bool(xp.all(self.finished)))
+        return token, fed, done
+
+
 class _Prefill:
     """A checked call after its prefill: the options, the last logits ``[b, rows]``, the state and
     the tokens seen so far (``[b, vocab]`` bool, only for repetition_penalty)."""
@@ -224,42 +280,16 @@ class _Prefill:
                                                                        input_ids, xp=xp)
         self.xp, self.input_ids, self.params, self.config = xp, input_ids, params, config
         self.options = o = check_options(input_ids.shape[1], rows, **options)
-        if xp.iinfo(input_ids.dtype).max < o.vocab - 1:  # new tokens come back in input_ids' dtype: they must fit
-            raise TypeError(f"input_ids: dtype {dtype_name(input_ids.dtype)} holds ids up to "
-                            f"{xp.iinfo(input_ids.dtype).max} but new tokens go up to {o.vocab - 1}; "
-                            f"pass int32 or int64 ids")
+        check_id_dtype(input_ids, o, xp=xp)
         self.last, self.state = _prefiller(config, xp)(input_ids, initial_state, pad, params)  # [b, rows]
-        valid = None if attention_mask is None else xp.astype(attention_mask, xp.bool)
-        self.seen = None if o.penalty is None else seen_tokens(input_ids, valid, o.vocab, xp=xp)
+        self.chooser = TokenChooser(o, input_ids, attention_mask, xp=xp)
 
     def tokens(self, return_state: bool) -> Iterator[Any]:
         """The new tokens ``[b]`` one at a time, or ``(token, state)`` pairs with ``return_state``."""
-        xp, o, ids = self.xp, self.options, self.input_ids
-        rng = load("numpy").rng(o.seed) if o.temperature > 0 else None
-        step = _decoder(self.config, xp, not return_state, o.compile)  # else each state is handed out
-        last, state, seen = self.last, self.state, self.seen
-        fill = None if o.fill is None else xp.full((ids.shape[0],), o.fill, dtype=ids.dtype, device=device(ids))
-        generated: list[Array] = []
-        finished = None
-        for i in range(o.new):
-            scores = last[:, :o.vocab]  # [b, vocab]
-            if seen is not None:
-                scores = penalize(scores, seen, o.penalty, xp=xp)
-            if i < o.min_new and o.eos:
-                scores = ban(scores, o.eos, xp=xp)
-            if o.processor is not None:
-                scores = _processed(o.processor, ids, generated, scores, xp=xp)
-            token = xp.astype(_choose(scores, o.temperature, o.top_k, o.top_p, rng, xp=xp), ids.dtype)  # [b]
-            fed = None if finished is None else xp.logical_not(finished)  # rows whose token is real
-            if finished is not None:
-                token = xp.where(finished, fill, token)
-            generated.append(token)
-            ends = finishing(token, generated, o, xp=xp)
-            if ends is not None:
-                finished = ends if finished is None else finished | ends
-            if seen is not None:
-                seen = add_seen(seen, token, xp=xp)
-            done = i + 1 == o.new or (finished is not None and bool(xp.all(finished)))
+        step = _decoder(self.config, self.xp, not return_state, self.options.compile)  # else each state is handed out
+        last, state = self.last, self.state
+        for _ in range(self.options.new):
+            token, fed, done = self.chooser.next(last)
             if return_state:
                 last, state = step(token, state, fed, self.params)
                 yield token, state

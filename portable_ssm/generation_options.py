@@ -28,6 +28,9 @@ from typing import Any
 
 from ._array import Array, Namespace, constant, device
 
+#: The default ``eos_token_id`` of the models' ``generate`` and ``stream``: the checkpoint's own.
+CHECKPOINT_EOS = "checkpoint"
+
 #: Prompt positions compared against the vocabulary at a time when the seen tokens are collected.
 _SEEN_BLOCK = 64
 
@@ -280,6 +283,19 @@ def check_options(length: int, rows: int, **options: Any) -> Options:
                    compile=o.get("compile"))
 
 
+def call_options(defaults: dict[str, Any], max_new_tokens: int | None, eos_token_id: Any,
+                 options: dict[str, Any]) -> dict[str, Any]:
+    """A model's ``defaults`` (its vocab_size, eos and generation_config) overridden by one call's
+    explicit options, as in transformers (a default max_new_tokens still wins over an explicit
+    max_length). ``eos_token_id``: :data:`CHECKPOINT_EOS` keeps the default; None never stops early."""
+    explicit = {k: v for k, v in options.items() if v is not None}
+    if max_new_tokens is not None:
+        explicit["max_new_tokens"] = max_new_tokens
+    if not (isinstance(eos_token_id, str) and eos_token_id == CHECKPOINT_EOS):
+        explicit["eos_token_id"] = eos_token_id
+    return {**defaults, **explicit}
+
+
 def seen_tokens(ids: Array, valid: Array | None, vocab: int, *, xp: Namespace) -> Array:
     """``[b, vocab]`` bool: the token occurs in ``ids [b, l]`` at a position where ``valid [b, l]``
     (None: everywhere)."""
@@ -287,9 +303,10 @@ def seen_tokens(ids: Array, valid: Array | None, vocab: int, *, xp: Namespace) -
     cols = xp.arange(vocab, dtype=ids.dtype, device=device(ids))
     seen = xp.zeros((b, vocab), dtype=xp.bool, device=device(ids))
     for start in range(0, l, _SEEN_BLOCK):
-        hit = ids[:, start:start + _SEEN_BLOCK, None] == cols  # [b, t, vocab]
+        stop = min(start + _SEEN_BLOCK, l)  # in bounds: the standard leaves a stop past the end unspecified
+        hit = ids[:, start:stop, None] == cols  # [b, t, vocab]
         if valid is not None:
-            hit = hit & valid[:, start:start + _SEEN_BLOCK, None]
+            hit = hit & valid[:, start:stop, None]
         seen = seen | xp.any(hit, axis=1)
     return seen
 

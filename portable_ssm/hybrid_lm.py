@@ -12,28 +12,61 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ._array import Array, Namespace, device, namespace
-from ._checks import Shapes, check_int
+from ._array import Array, Namespace, array_backend, device, dtype_name, namespace
+from ._checks import Shapes, check_bool, check_int
+from .generation import TokenChooser, check_id_dtype
+from .generation_options import CHECKPOINT_EOS, Limits, Options, call_options, check_generation_config, check_options
 from .lm import check_token_ids
 from .padding import check_attention_mask
-from .stack import HybridConfig, HybridState, check_room, embed_tokens, empty_hybrid_state, head, run_layers
+from .prompts import prompt_arrays
+from .quantized import QUANTIZED_LEAVES, quantize
+from .stack import (
+    HybridConfig,
+    HybridState,
+    check_room,
+    embed_tokens,
+    empty_hybrid_state,
+    gather_hybrid,
+    head,
+    run_layers,
+    scatter_hybrid,
+)
+from .state_pool import check_state_batch_indices
+
+#: The hybrid weights (their last two name parts) :meth:`HybridLM.quantize` stores in low precision.
+QUANTIZED = QUANTIZED_LEAVES + ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "up.weight",
+                                "down.weight", "linear.weight")
 
 
 class HybridLM:
     """A hybrid language model (loaded by :func:`portable_ssm.load_pretrained` from a Granite-4.0-H,
-    Bamba, ... folder). ``params``: core names (:mod:`portable_ssm.stack`), one backend and dtype."""
+    Bamba, ... folder). ``params``: core names (:mod:`portable_ssm.stack`), one backend and dtype;
+    ``generation_config``: defaults for :meth:`generate` and :meth:`stream` (the folder's
+    ``generation_config.json``), checked as the Mamba-2 model's."""
 
     def __init__(self, params: dict[str, Array], config: HybridConfig, *, eos_token_id: Any = None,
-                 notes: tuple[str, ...] = ()) -> None:
+                 notes: tuple[str, ...] = (), generation_config: dict[str, Any] | None = None) -> None:
         if not isinstance(config, HybridConfig):
             raise TypeError(f"config: expected a HybridConfig, got {type(config).__name__}")
         self.params, self.config, self.eos_token_id, self.notes = params, config, eos_token_id, notes
+        self.generation_config = check_generation_config({} if generation_config is None else generation_config,
+                                                         Limits(vocab=config.vocab_size, rows=config.vocab_size))
         first = params["embedding.weight"]
         self._xp: Namespace = namespace(**{"params['embedding.weight']": first})
 
     @property
-    def dtype(self) -> Any:
-        return self.params["embedding.weight"].dtype
+    def dtype(self) -> str:
+        """The parameters' dtype by name (as :attr:`portable_ssm.Mamba2LM.dtype`)."""
+        return dtype_name(self.params["embedding.weight"].dtype)
+
+    @property
+    def backend(self) -> str:
+        return array_backend(self.params["embedding.weight"])
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids generation may choose (the head's rows)."""
+        return self.config.vocab_size
 
     @property
     def num_parameters(self) -> int:
@@ -61,6 +94,20 @@ class HybridLM:
             rows.append(("attention", f"heads {a.n_heads}, kv heads {a.n_kv_heads}, head_dim {a.head_dim}, "
                                       f"rotary {a.rotary_dim or 'none (nope)'}"))
         return rows + [("note", note) for note in self.notes]
+
+    def quantize(self, kind: str) -> HybridLM:
+        """This model with every projection stored as ``kind`` (``"int8"``, ``"bfloat16"``;
+        ``"float32"``: this model itself), through :func:`portable_ssm.quantize` and the Mamba-2
+        model's matmul: attention q/k/v/o, the MLPs, the Mamba in/out projections, Zamba2's
+        linear, the embedding and the head (:data:`QUANTIZED`). The MoE routers and the stacked
+        experts ``[E, out, in]`` stay float32, as do norms, convs, biases and the SSM scalars."""
+        names = [k for k, v in self.params.items()
+                 if ".".join(k.split(".")[-2:]) in QUANTIZED and "experts." not in k and v.ndim == 2]
+        params = quantize(self.params, kind, names=names)
+        if kind == "float32":
+            return self
+        return HybridLM(params, self.config, eos_token_id=self.eos_token_id, notes=self.notes,
+                        generation_config=self.generation_config)
 
     def empty_state(self, batch: int, max_len: int) -> HybridState:
         """A zero state for ``batch`` rows with KV caches of ``max_len`` tokens."""
@@ -102,12 +149,25 @@ class HybridLM:
         """``input_ids [b, l]`` -> ``logits [b, l, V]`` (transformers' ``model(ids).logits``)."""
         return self.prefill(input_ids, attention_mask=attention_mask)[0]
 
-    def step(self, token: Array, state: HybridState) -> tuple[Array, HybridState]:
-        """One token per row ``token [b]`` after ``state``: ``(logits [b, V], new state)``."""
+    def step(self, token: Array, state: HybridState, *,
+             state_batch_indices: Array | None = None) -> tuple[Array, HybridState]:
+        """One token per row ``token [b]`` after ``state``: ``(logits [b, V], new state)``.
+
+        With ``state_batch_indices [b]`` (distinct ints, :mod:`portable_ssm.state_pool`) ``state``
+        is a pool of slots (:meth:`empty_state` of the pool's size, requests put in with
+        :meth:`pool_put`): row i reads and updates slot ``state_batch_indices[i]``, every other slot
+        is returned as it was. The pool's KV caches advance one slot per pool step, whoever steps
+        (a slot's skipped KV slots stay invalid), so ``max_len`` bounds the pool's steps."""
         xp = self._xp
         if not isinstance(state, HybridState):
             raise TypeError(f"state: expected a HybridState, got {type(state).__name__}")
         namespace(token=token, **{"params['embedding.weight']": self.params["embedding.weight"]})
+        if state_batch_indices is not None:
+            Shapes().check("token", token, ("b",))
+            check_state_batch_indices(state_batch_indices, state.positions.valid.shape[0], token.shape[0],
+                                      "token", token, xp=xp)
+            logits, rows = self.step(token, gather_hybrid(state, state_batch_indices, xp=xp))
+            return logits, scatter_hybrid(state, state_batch_indices, rows, xp=xp)
         Shapes(b=state.positions.valid.shape[0]).check("token", token, ("b",))
         check_token_ids("token", token, self.config.vocab_size, xp=xp)
         check_room(state, 1)
@@ -116,45 +176,73 @@ class HybridLM:
         hidden, state = run_layers(x, self.params, self.config, state, tokens, None, xp=xp, one_token=True)
         return head(hidden, self.params, self.config, xp=xp), state
 
-    def stream(self, input_ids: Array, *, max_new_tokens: int, attention_mask: Array | None = None,
-               state: HybridState | None = None, eos_token_id: Any = "config",
-               pad_token_id: int | None = None) -> Iterator[tuple[Array, HybridState]]:
-        """Greedy tokens one step at a time: yields ``(token [b], state after the tokens so far)``.
-        ``input_ids [b, l]`` (left-padded rows with ``attention_mask``) is prefilled once, then
-        one-token steps run on the KV cache; with ``state`` (a returned one) the prompt continues
-        it. ``eos_token_id`` (default: the checkpoint's; None: never stop): a row that emitted it
-        emits ``pad_token_id`` (default: the first eos id) from then on, and the stream ends once
-        every row has (the finished rows' state keeps taking the filler)."""
-        check_int("max_new_tokens", max_new_tokens, minimum=1)
-        xp = self._xp
-        eos = self.eos_token_id if eos_token_id == "config" else eos_token_id
-        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        fill = eos[0] if pad_token_id is None and eos else (pad_token_id or 0)
-        b, l = input_ids.shape if getattr(input_ids, "ndim", 0) == 2 else (1, 0)
-        if state is None:
-            state = self.empty_state(b, l + max_new_tokens)
-        logits, state = self.prefill(input_ids, attention_mask=attention_mask, state=state)
-        logits, finished = logits[:, -1, :], None
-        for i in range(max_new_tokens):
-            token = xp.argmax(logits, axis=-1)
-            if finished is not None:
-                token = xp.where(finished, xp.full_like(token, fill), token)
-            if eos:
-                ends = xp.any(xp.stack([token == e for e in eos], axis=-1), axis=-1)  # [b]
-                finished = ends if finished is None else finished | ends
-            yield token, state
-            if i + 1 == max_new_tokens or (finished is not None and bool(xp.all(finished))):
-                return
-            logits, state = self.step(token, state)
+    def pool_put(self, pool: HybridState, state_batch_indices: Array, rows: HybridState) -> HybridState:
+        """A new pool with the slots ``state_batch_indices [b]`` holding ``rows`` (e.g. a request's
+        :meth:`prefill` state of the pool's ``max_len``)."""
+        for name, value in (("pool", pool), ("rows", rows)):
+            if not isinstance(value, HybridState):
+                raise TypeError(f"{name}: expected a HybridState, got {type(value).__name__}")
+        if rows.max_len != pool.max_len:
+            raise ValueError(f"rows: expected KV caches of the pool's max_len {pool.max_len}, got {rows.max_len}")
+        check_state_batch_indices(state_batch_indices, pool.positions.valid.shape[0], rows.positions.valid.shape[0],
+                                  "rows.positions.valid", rows.positions.valid, xp=self._xp)
+        return scatter_hybrid(pool, state_batch_indices, rows, xp=self._xp)
 
-    def generate(self, input_ids: Array, *, max_new_tokens: int, attention_mask: Array | None = None,
-                 state: HybridState | None = None, return_state: bool = False, eos_token_id: Any = "config",
-                 pad_token_id: int | None = None) -> Array | tuple[Array, HybridState]:
-        """Greedy continuation ``[b, new]`` of ``input_ids [b, l]`` (:meth:`stream`'s tokens side by
-        side, ``new <= max_new_tokens``); with ``return_state`` also the state after the prompt and
-        every returned token but the last (feed that one to :meth:`step` or a next prompt)."""
+    def _prepared(self, input_ids: Any, attention_mask: Any, max_new_tokens: int | None, eos_token_id: Any,
+                  options: dict[str, Any]) -> tuple[Array, Array | None, Options]:
+        """The call's ids and mask as arrays (lists left-padded) and its options checked
+        (:mod:`portable_ssm.generation_options`, the Mamba-2 model's own rules and defaults)."""
+        ids, mask = prompt_arrays(input_ids, attention_mask, rows=self.config.vocab_size,
+                                  like=self.params["embedding.weight"])
+        if getattr(ids, "ndim", 0) != 2:
+            raise ValueError(f"input_ids: expected shape [b, l], got {tuple(ids.shape)}")
+        if options.get("compile") is not None:
+            raise ValueError(f"compile: a hybrid model's steps run eagerly, got {options['compile']!r}")
+        defaults = {"eos_token_id": self.eos_token_id, **self.generation_config}
+        o = check_options(ids.shape[1], self.config.vocab_size,
+                          **call_options(defaults, max_new_tokens, eos_token_id, options))
+        check_id_dtype(ids, o, xp=self._xp)
+        return ids, mask, o
+
+    def stream(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
+               state: HybridState | None = None, eos_token_id: Any = CHECKPOINT_EOS,
+               **options: Any) -> Iterator[tuple[Array, HybridState]]:
+        """New tokens one step at a time: yields ``(token [b], state after the tokens so far)``.
+        ``input_ids [b, l]`` (an array, or a list of prompts: unequal ones are left-padded; left-padded
+        array rows take ``attention_mask``) is prefilled once, then one-token steps run on the KV
+        cache; with ``state`` (a returned one) the prompt continues it.
+
+        Options, defaults and checks are the Mamba-2 model's (:func:`portable_ssm.generation.generate`):
+        ``max_new_tokens`` / ``max_length``, ``min_new_tokens``, ``do_sample``, ``temperature``,
+        ``top_k``, ``top_p``, ``seed``, ``repetition_penalty``, ``eos_token_id`` (default: the
+        checkpoint's; None: never stop), ``pad_token_id``, ``stop``, ``logits_processor``, unset ones
+        from :attr:`generation_config`; the tokens are chosen by the same
+        :class:`~portable_ssm.generation.TokenChooser`. A finished row emits the filler from then on
+        (its state keeps taking it) and the stream ends once every row has finished."""
+        ids, mask, o = self._prepared(input_ids, attention_mask, max_new_tokens, eos_token_id, options)
+        b, l = ids.shape
+        if state is None:
+            state = self.empty_state(b, l + o.new)
+        logits, state = self.prefill(ids, attention_mask=mask, state=state)
+        chooser = TokenChooser(o, ids, mask, xp=self._xp)
+        last = logits[:, -1, :]  # [b, V]
+        for _ in range(o.new):
+            token, _, done = chooser.next(last)
+            yield token, state
+            if done:
+                return
+            last, state = self.step(token, state)
+
+    def generate(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
+                 state: HybridState | None = None, return_state: bool = False, eos_token_id: Any = CHECKPOINT_EOS,
+                 **options: Any) -> Array | tuple[Array, HybridState]:
+        """The continuation ``[b, new]`` of ``input_ids [b, l]`` (:meth:`stream`'s tokens side by
+        side, ``new <= max_new_tokens``; arguments as there); with ``return_state`` also the state
+        after the prompt and every returned token but the last (feed that one to :meth:`step` or
+        a next prompt)."""
+        check_bool("return_state", return_state)
         xp = self._xp
-        steps = list(self.stream(input_ids, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
-                                 state=state, eos_token_id=eos_token_id, pad_token_id=pad_token_id))
+        steps = list(self.stream(input_ids, max_new_tokens, attention_mask=attention_mask, state=state,
+                                 eos_token_id=eos_token_id, **options))
         ids = xp.stack([token for token, _ in steps], axis=1)  # [b, new]
         return (ids, steps[-1][1]) if return_state else ids

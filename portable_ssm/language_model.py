@@ -13,22 +13,17 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._array import Array, array_backend, device, dtype_name, namespace
-from ._checks import check_given
-from .backends import load, to_backend
 from .config import Mamba2Config
 from .generation import check_token_ids, generate, stream
-from .generation_options import Limits, check_generation_config, check_id_list, is_int
+from .generation_options import CHECKPOINT_EOS, Limits, call_options, check_generation_config, check_id_list, is_int
 from .io.checkpoint import save_params
 from .lm import logits as lm_logits
 from .params import Params, check_params
-from .prompts import check_mask_lists, check_prompts, left_pad
+from .prompts import prompt_arrays
 from .quantized import QuantizedWeight, quantize
 
 #: The checkpoint layouts a :class:`Mamba2LM` names.
 LAYOUTS = ("transformers", "state-spaces", "portable_ssm")
-
-#: The default ``eos_token_id`` of :meth:`Mamba2LM.generate` and :meth:`Mamba2LM.stream`: the model's own.
-CHECKPOINT_EOS = "checkpoint"
 
 
 class Mamba2LM:
@@ -81,27 +76,8 @@ class Mamba2LM:
         return sum(math.prod(v.shape) for v in self.params.values())
 
     def _batch(self, input_ids: Any, attention_mask: Any) -> tuple[Array, Array | None]:
-        """``(ids, mask)`` on the model's backend. Lists are checked entry by entry
-        (:mod:`portable_ssm.prompts`): prompts of unequal length are left-padded with 0 (and
-        masked), so they take no mask of their own; arrays must already be on the model's backend."""
-        host = load("numpy")
-        if isinstance(input_ids, (list, tuple)):
-            prompts = check_prompts("input_ids", input_ids, self.config.padded_vocab_size)
-            if len({len(p) for p in prompts}) > 1:
-                if attention_mask is not None:
-                    raise ValueError("attention_mask: prompts of unequal length are left-padded and masked "
-                                     "here; pass them without attention_mask, or pass equal-length "
-                                     f"(padded) prompts with it (got lengths {[len(p) for p in prompts]})")
-                prompts, attention_mask = left_pad(prompts)
-            input_ids = to_backend(host.asarray(prompts, "int64", None), self.backend, device=self.device)
-        check_given(input_ids=input_ids)
-        namespace(input_ids=input_ids, params=self.params["embedding.weight"])
-        if isinstance(attention_mask, (list, tuple)):
-            if input_ids.ndim != 2:
-                raise ValueError(f"input_ids: expected shape [b, l], got {tuple(input_ids.shape)}")
-            rows = check_mask_lists("attention_mask", attention_mask, tuple(input_ids.shape))
-            attention_mask = to_backend(host.asarray(rows, "int64", None), self.backend, device=self.device)
-        return input_ids, attention_mask
+        return prompt_arrays(input_ids, attention_mask, rows=self.config.padded_vocab_size,
+                             like=self.params["embedding.weight"])
 
     def logits(self, input_ids: Any, attention_mask: Any = None) -> Array:
         """``input_ids [b, l]`` (array or nested list of ints; prompts of unequal length are
@@ -113,16 +89,8 @@ class Mamba2LM:
         return lm_logits(ids, self.params, config=self.config, attention_mask=mask)
 
     def _options(self, max_new_tokens: int | None, eos_token_id: Any, options: dict[str, Any]) -> dict[str, Any]:
-        """The checkpoint's eos and ``generation_config`` overridden by the explicit options (as in
-        transformers, a default max_new_tokens still wins over an explicit max_length).
-        ``eos_token_id``: ``"checkpoint"`` keeps the model's own; None never stops early."""
-        explicit = {k: v for k, v in options.items() if v is not None}
-        if max_new_tokens is not None:
-            explicit["max_new_tokens"] = max_new_tokens
-        if not (isinstance(eos_token_id, str) and eos_token_id == CHECKPOINT_EOS):
-            explicit["eos_token_id"] = eos_token_id
         defaults = {"vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id, **self.generation_config}
-        return {**defaults, **explicit}
+        return call_options(defaults, max_new_tokens, eos_token_id, options)
 
     def generate(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
                  eos_token_id: int | Sequence[int] | None | str = CHECKPOINT_EOS,

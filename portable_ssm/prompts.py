@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._array import Array, array_backend, device, namespace
+from ._checks import check_given
+from .backends import load, to_backend
 from .generation_options import check_id, is_int
 
 
@@ -71,3 +74,28 @@ def left_pad(prompts: Any, pad_token_id: int = 0) -> tuple[list[list[int]], list
     ids = [[pad] * (width - len(p)) + p for p in checked]
     mask = [[0] * (width - len(p)) + [1] * len(p) for p in checked]
     return ids, mask
+
+
+def prompt_arrays(input_ids: Any, attention_mask: Any, *, rows: int, like: Array) -> tuple[Array, Array | None]:
+    """``(ids, mask)`` on ``like``'s backend and device for a model with ``rows`` embedding rows.
+    Lists are checked entry by entry: prompts of unequal length are left-padded with 0 (and
+    masked, :func:`left_pad`), so they take no mask of their own; arrays must already be on
+    ``like``'s backend."""
+    host, backend, where = load("numpy"), array_backend(like), device(like)
+    if isinstance(input_ids, (list, tuple)):
+        prompts = check_prompts("input_ids", input_ids, rows)
+        if len({len(p) for p in prompts}) > 1:
+            if attention_mask is not None:
+                raise ValueError("attention_mask: prompts of unequal length are left-padded and masked "
+                                 "here; pass them without attention_mask, or pass equal-length "
+                                 f"(padded) prompts with it (got lengths {[len(p) for p in prompts]})")
+            prompts, attention_mask = left_pad(prompts)
+        input_ids = to_backend(host.asarray(prompts, "int64", None), backend, device=where)
+    check_given(input_ids=input_ids)
+    namespace(input_ids=input_ids, params=like)
+    if isinstance(attention_mask, (list, tuple)):
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids: expected shape [b, l], got {tuple(input_ids.shape)}")
+        mask = check_mask_lists("attention_mask", attention_mask, tuple(input_ids.shape))
+        attention_mask = to_backend(host.asarray(mask, "int64", None), backend, device=where)
+    return input_ids, attention_mask

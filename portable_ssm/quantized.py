@@ -22,6 +22,7 @@ with standard array-API functions and multiplies in float32; backends replace it
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,12 +114,14 @@ def _quantize_bfloat16(w: Array, *, xp: Namespace) -> QuantizedWeight:
     return QuantizedWeight(to_backend(host, backend, device=device(w)), None, "bfloat16", w.dtype)
 
 
-def quantize(params: dict[str, Array], kind: str) -> dict[str, Any]:
+def quantize(params: dict[str, Array], kind: str, *, names: Collection[str] | None = None) -> dict[str, Any]:
     """A copy of ``params`` whose projections, embedding and LM head are stored as ``kind``.
 
     Args:
         params: a float32 parameter dict (core names), e.g. from :func:`portable_ssm.init_params`
             or a trained model (detached: quantized weights carry no gradient).
+        names: the keys to convert (each a float32 matrix ``[out, in]``); None: the Mamba-2
+            model's, every key whose last two parts are one of :data:`QUANTIZED_LEAVES`.
         kind: ``"int8"`` (per-output-channel scales), ``"bfloat16"``, or ``"float32"`` (a plain
             copy of the dict, nothing converted).
 
@@ -145,7 +148,7 @@ def quantize(params: dict[str, Array], kind: str) -> dict[str, Any]:
     convert = _quantize_int8 if kind == "int8" else _quantize_bfloat16
     out: dict[str, Any] = {}
     for name, value in params.items():
-        if ".".join(name.split(".")[-2:]) not in QUANTIZED_LEAVES:
+        if (".".join(name.split(".")[-2:]) not in QUANTIZED_LEAVES if names is None else name not in names):
             out[name] = value
             continue
         xp = namespace(**{f"params[{name!r}]": value})

@@ -35,9 +35,11 @@ from .blocks.attention import AttentionSpec, KVCache, Positions, advance, attent
 from .blocks.mlp import MLPSpec, mlp
 from .blocks.moe import MoESpec, moe
 from .config import Mamba2Config
+from .lm import embed
 from .mixer import _linear, mixer, mixer_step
 from .norm import rms_norm
 from .params import param_shapes as mamba_shapes
+from .state_pool import gather_rows, scatter_rows
 
 MIXERS = ("mamba", "attention", "parallel", "shared", None)
 FFNS = ("mlp", "moe", None)
@@ -230,10 +232,33 @@ def head(hidden: Array, params: dict[str, Array], config: HybridConfig, *, xp: N
 
 def embed_tokens(ids: Array, params: dict[str, Array], config: HybridConfig, *, xp: Namespace) -> Array:
     """``ids [...]`` -> ``[..., d_model]`` rows of the embedding, times embedding_multiplier."""
-    table = params["embedding.weight"]
-    flat = xp.take(table, xp.reshape(ids, (-1,)), axis=0)  # [prod(ids.shape), d_model]
-    out = xp.reshape(flat, (*ids.shape, table.shape[1]))  # [..., d_model]
+    out = embed(ids, params, xp=xp)  # [..., d_model], a quantized table's rows widened
     return out if config.embedding_multiplier == 1.0 else out * config.embedding_multiplier
+
+
+def _map_rows(fn: Any, pool: HybridState, rows: HybridState) -> HybridState:
+    """``fn(pool array, rows array)`` over every per-row array of two HybridStates of one config
+    (the shared ``positions.length`` stays the pool's)."""
+    return HybridState(
+        conv=tuple(fn(a, r) for a, r in zip(pool.conv, rows.conv)),
+        ssm=tuple(fn(a, r) for a, r in zip(pool.ssm, rows.ssm)),
+        kv=tuple(KVCache(fn(a.k, r.k), fn(a.v, r.v)) for a, r in zip(pool.kv, rows.kv)),
+        positions=pool.positions._replace(valid=fn(pool.positions.valid, rows.positions.valid),
+                                          seen=fn(pool.positions.seen, rows.positions.seen)))
+
+
+def gather_hybrid(pool: HybridState, indices: Array, *, xp: Namespace) -> HybridState:
+    """The slots ``indices [b]`` of a pool of HybridStates (SSM, conv and KV caches, per-slot
+    valid slots and token counts); the pool's shared write position stays."""
+    return _map_rows(lambda a, _: gather_rows(a, indices, xp=xp), pool, pool)
+
+
+def scatter_hybrid(pool: HybridState, indices: Array, rows: HybridState, *, xp: Namespace) -> HybridState:
+    """A new pool with the slots ``indices`` replaced by ``rows``; its write position the later of
+    the two (a slot's unwritten KV slots are invalid, so rows need not share one)."""
+    out = _map_rows(lambda a, r: scatter_rows(a, indices, r, xp=xp), pool, rows)
+    length = xp.maximum(pool.positions.length, rows.positions.length)
+    return out._replace(positions=out.positions._replace(length=length))
 
 
 def check_room(state: HybridState, new: int) -> None:

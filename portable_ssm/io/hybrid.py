@@ -16,7 +16,10 @@ from ..families import FAMILIES
 from ..hybrid_lm import HybridLM
 from ..stack import param_shapes
 from .errors import CheckpointError
+from .generation_config import FILE_NAME as GENERATION_CONFIG
+from .generation_config import read_generation_config
 from .layouts import _Keys, eos_token_ids
+from .paths import regular
 from .weights import default_dtype, read_weights, weight_files
 
 
@@ -61,4 +64,11 @@ def load_hybrid(path: str, raw: dict[str, Any], *, backend: str, dtype: str | No
     dtype = dtype or default_dtype(core["embedding.weight"][1])
     params = {k: to_backend(v, backend, device=device, dtype=dtype) for k, (v, _) in core.items()}
     eos = eos_token_ids(raw.get("eos_token_id"), f"{config_path}")
-    return HybridLM(params, config, eos_token_id=eos, notes=notes)
+    try:
+        model = HybridLM(params, config, eos_token_id=eos, notes=notes)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{config_path}: {err}") from None
+    regular(os.path.join(path, GENERATION_CONFIG))  # a FIFO or directory in its place is an error, not "none"
+    model.generation_config = read_generation_config(path, vocab_size=config.vocab_size,
+                                                     rows=config.vocab_size)  # a CheckpointError naming it
+    return model

@@ -193,10 +193,11 @@ def _hybrid_family(raw: Any, path: str, weights: str, backend: str, dtype: str |
 
     if not isinstance(raw, dict) or raw.get("model_type") not in model_types():
         return None
-    if weights != "float32":
-        raise ValueError(f"weights: {weights!r} storage is not supported for the {raw['model_type']} family yet; "
-                         f"load it with weights='float32'")
-    return load_hybrid(path, raw, backend=backend, dtype=dtype, device=device)
+    model = load_hybrid(path, raw, backend=backend, dtype=dtype, device=device)
+    try:
+        return model.quantize(weights)
+    except ValueError as err:
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {err}") from None
 
 
 def load_pretrained(path: str | os.PathLike, *, backend: str = "numpy", dtype: str | None = None,
