@@ -40,6 +40,18 @@ def test_the_wheel_marks_the_package_typed_and_ships_its_kernels(wheel):
 
 
 @pytest.mark.slow
+def test_the_wheel_ships_every_module_of_the_package(wheel):
+    """Every .py file of the three source folders is in the wheel under its installed name: a new
+    subpackage missing from pyproject.toml's list would import in a checkout and not once installed."""
+    names = set(wheel.namelist())
+    installed = {"portable_ssm": "portable_ssm", "backends": "portable_ssm/backends", "market": "portable_ssm/market"}
+    for folder, target in installed.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            name = f"{target}/{path.relative_to(ROOT / folder).as_posix()}"
+            assert name in names, f"{name} (from {path.relative_to(ROOT)}) is not in the wheel"
+
+
+@pytest.mark.slow
 def test_the_wheel_ships_every_cpu_kernel_source_the_builds_read(wheel):
     from portable_ssm.backends.cpu_source import source_files
 
