@@ -12,6 +12,17 @@ from ..io.errors import CheckpointError
 Tensors = dict[str, tuple[Any, str]]
 
 
+def decoder_rules(final_norm: str, ffn_norm: str) -> tuple[tuple[str, str], ...]:
+    """The names a transformers decoder's checkpoint shares with its kin: the embedding, the final
+    norm (``model.<final_norm>``), the head and each layer's two norms (``input_layernorm``, then
+    ``<ffn_norm>`` before the feed-forward)."""
+    return ((r"model\.embed_tokens\.weight", "embedding.weight"),
+            (rf"model\.{final_norm}\.weight", "norm_f.weight"),
+            (r"lm_head\.weight", "lm_head.weight"),
+            (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.mixer_norm.weight"),
+            (rf"model\.layers\.(\d+)\.{ffn_norm}\.weight", r"layers.\1.ffn_norm.weight"))
+
+
 def apply_rules(tensors: Tensors, rules: tuple[tuple[str, str], ...]) -> Tensors:
     """Renames every tensor by the first matching ``(regex, replacement)``; CheckpointError naming
     an unknown tensor or two names landing on one core name."""

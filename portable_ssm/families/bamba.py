@@ -12,16 +12,12 @@ from .._array import namespace
 from ..blocks import AttentionSpec, MLPSpec
 from ..io.errors import CheckpointError
 from ..stack import HybridConfig
-from ._common import apply_rules, hub_rope, layer_kinds, mamba_config, require
+from ._common import apply_rules, decoder_rules, hub_rope, layer_kinds, mamba_config, require
 
 MODEL_TYPES = ("bamba",)
 
 _RULES = (
-    (r"model\.embed_tokens\.weight", "embedding.weight"),
-    (r"model\.final_layernorm\.weight", "norm_f.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.mixer_norm.weight"),
-    (r"model\.layers\.(\d+)\.pre_ff_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    *decoder_rules("final_layernorm", "pre_ff_layernorm"),
     (r"model\.layers\.(\d+)\.(?:mamba|self_attn)\.(.+)", r"layers.\1.mixer.\2"),
     (r"model\.layers\.(\d+)\.feed_forward\.(gate|up)_proj\.weight", r"layers.\1.ffn.\2.weight"),
     (r"model\.layers\.(\d+)\.feed_forward\.down_proj\.weight", r"layers.\1.ffn.down.weight"),

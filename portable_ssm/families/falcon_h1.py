@@ -18,16 +18,12 @@ from .._array import namespace
 from ..blocks import AttentionSpec, MLPSpec
 from ..io.errors import CheckpointError
 from ..stack import HybridConfig
-from ._common import apply_rules, hub_rope, mamba_config_fields, require
+from ._common import apply_rules, decoder_rules, hub_rope, mamba_config_fields, require
 
 MODEL_TYPES = ("falcon_h1",)
 
 _RULES = (
-    (r"model\.embed_tokens\.weight", "embedding.weight"),
-    (r"model\.final_layernorm\.weight", "norm_f.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.mixer_norm.weight"),
-    (r"model\.layers\.(\d+)\.pre_ff_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    *decoder_rules("final_layernorm", "pre_ff_layernorm"),
     (r"model\.layers\.(\d+)\.mamba\.(.+)", r"layers.\1.mixer.mamba.\2"),
     (r"model\.layers\.(\d+)\.self_attn\.(.+)", r"layers.\1.mixer.attention.\2"),
     (r"model\.layers\.(\d+)\.feed_forward\.(gate|up|down)_proj\.weight", r"layers.\1.ffn.\2"),

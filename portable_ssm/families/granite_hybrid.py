@@ -11,16 +11,12 @@ from typing import Any
 
 from ..blocks import AttentionSpec, MLPSpec, MoESpec
 from ..stack import HybridConfig
-from ._common import apply_rules, hub_rope, layer_kinds, mamba_config, require
+from ._common import apply_rules, decoder_rules, hub_rope, layer_kinds, mamba_config, require
 
 MODEL_TYPES = ("granitemoehybrid",)
 
 _RULES = (
-    (r"model\.embed_tokens\.weight", "embedding.weight"),
-    (r"model\.norm\.weight", "norm_f.weight"),
-    (r"lm_head\.weight", "lm_head.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.mixer_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+    *decoder_rules("norm", "post_attention_layernorm"),
     (r"model\.layers\.(\d+)\.(?:mamba|self_attn)\.(.+)", r"layers.\1.mixer.\2"),
     (r"model\.layers\.(\d+)\.block_sparse_moe\.input_linear\.weight", r"layers.\1.ffn.experts.up.weight"),
     (r"model\.layers\.(\d+)\.block_sparse_moe\.output_linear\.weight", r"layers.\1.ffn.experts.down.weight"),
