@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 
+import array_api_compat.numpy as nxp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -66,20 +67,20 @@ def test_a_row_of_subnormals_gets_a_nonzero_scale_and_no_nan_is_ever_cast():
         q = ps.quantize({KEY: w}, "int8")[KEY]
     assert np.all(q.scale > 0)
     assert np.array_equal(q.data[:2], np.zeros((2, 3), np.int8))
-    assert np.abs(dequantize(q, xp=np) - w).max() <= 0.5 / 127 + 1e-7
+    assert np.abs(dequantize(q, xp=nxp) - w).max() <= 0.5 / 127 + 1e-7
 
 
 def test_a_row_at_the_float32_maximum_dequantizes_to_finite_values():
     big = np.finfo(np.float32).max
     q = ps.quantize({KEY: matrix([big, -big, 1])}, "int8")[KEY]
-    back = dequantize(q, xp=np)
+    back = dequantize(q, xp=nxp)
     assert np.all(np.isfinite(back)) and np.abs(back - matrix([big, -big, 1])).max() <= 0.5 * q.scale[0] * 1.01
 
 
 def test_bfloat16_keeps_the_largest_magnitude_below_its_overflow():
     below = np.nextafter(np.float32(BFLOAT16_OVERFLOW), np.float32(0))
     q = ps.quantize({KEY: matrix([below, -below])}, "bfloat16")[KEY]
-    assert np.all(np.isfinite(dequantize(q, xp=np)))
+    assert np.all(np.isfinite(dequantize(q, xp=nxp)))
 
 
 def test_params_nbytes_counts_integer_and_bool_arrays():
@@ -122,7 +123,7 @@ def test_random_weights_quantize_to_finite_rows_within_half_a_step_or_a_value_er
         assert f"params[{KEY!r}]" in str(err)
         assert not np.all(np.isfinite(w)) or np.abs(w).max() >= BFLOAT16_OVERFLOW
         return
-    back = dequantize(q, xp=np)
+    back = dequantize(q, xp=nxp)
     assert np.all(np.isfinite(back))
     step = q.scale[:, None] if kind == "int8" else np.abs(w) / 128  # bf16: 8 bits of significand
     assert np.all(np.abs(back - w) <= 0.5 * step * (1 + 1e-6) + 1e-38)
