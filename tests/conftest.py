@@ -147,6 +147,17 @@ def cpu_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return request.param
 
 
+@pytest.fixture
+def library(cpu_isa: str):
+    """NumPy's compiled CPU kernels of the ``cpu_isa`` build (skipped where they cannot be built)."""
+    from portable_ssm.backends.numpy import kernels
+
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("NumPy's CPU kernels: not usable here (an x86-64 CPU with AVX2 and FMA and a C++ compiler)")
+    return lib
+
+
 @pytest.fixture(params=["float32", "float64"])
 def dtype(request: pytest.FixtureRequest) -> str:
     return request.param

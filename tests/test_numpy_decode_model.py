@@ -20,14 +20,6 @@ import portable_ssm as ps
 _SMALL_LM = dict(d_model=32, n_layer=2, d_state=16, headdim=16, ngroups=2, vocab_size=50, pad_vocab_size_multiple=1)
 
 
-@pytest.fixture
-def library(cpu_isa):
-    lib = kernels.library()
-    if lib is None:
-        pytest.skip("NumPy's CPU kernels: not usable here (an x86-64 CPU with AVX2 and FMA and a C++ compiler)")
-    return lib
-
-
 def _model(kind: str, **variant):
     config = ps.Mamba2Config(**{**_SMALL_LM, **variant})
     params = ps.init_params(config, seed=3, backend="numpy")

@@ -21,14 +21,6 @@ from portable_ssm.conv import causal_conv1d_ref
 from portable_ssm.norm import gated_rms_norm_ref
 
 
-@pytest.fixture
-def library(cpu_isa):
-    lib = kernels.library()
-    if lib is None:
-        pytest.skip("NumPy's CPU kernels: not usable here (an x86-64 CPU with AVX2 and FMA and a C++ compiler)")
-    return lib
-
-
 def conv_inputs(b: int, l: int, d: int, k: int, seed: int):
     """x as the mixer has it, a slice of wider rows (in_proj's output), taps, bias and a state."""
     rng = np.random.default_rng(seed)
