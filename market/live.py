@@ -120,14 +120,17 @@ class MarketStream:
         return params, dataclasses.replace(self.config, tie_embeddings=False)
 
     def _host(self, tensors: list[Any]) -> list[np.ndarray] | None:
-        """The arrays as NumPy sees their memory: themselves on NumPy, zero-copy views of plain CPU
-        torch tensors; None where there are none (another backend or device)."""
+        """The arrays as NumPy sees their memory: themselves on NumPy, zero-copy views of plain float32
+        CPU torch tensors; None where there are none (another backend, device or dtype)."""
         if self._backend == "numpy":
             return list(tensors)
         if self._backend != "torch":
             return None
+        import torch
         from portable_ssm.backends import torch as torch_backend
 
+        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in tensors):
+            return None  # NumPy has no bfloat16 to view them as; the other paths take them
         views = torch_backend._plain_views(*tensors)
         return None if views is None else list(views)
 
@@ -142,8 +145,8 @@ class MarketStream:
         params, config = self._head_as_vocabulary()
         names = list(params)
         host = self._host([params[k] for k in names] + [self.head[k] for k in HEAD_NAMES])
-        if host is None or any(a.dtype != np.float32 for a in host):
-            return None
+        if host is None or any(getattr(a, "dtype", None) != np.float32 for a in host[len(names):]):
+            return None  # the head float32; plan() checks the backbone's arrays
         try:
             plan = decode.plan(dict(zip(names, host)), config)
         except ValueError:

@@ -259,3 +259,19 @@ def test_a_stream_whose_state_is_replaced_steps_the_new_state_not_the_old_arrays
     assert all(np.array_equal(a, b) for a, b in zip((*old.conv, *old.ssm), frozen))  # the old arrays untouched
     for a, b in zip((*kept.state.conv, *kept.state.ssm), (*replaced.state.conv, *replaced.state.ssm)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_bfloat16_torch_stream_is_built_and_steps_without_numpy_views():
+    torch = pytest.importorskip("torch")
+    config = Mamba2Config(d_model=16, n_layer=1, d_state=8, headdim=8)
+    params = init_params(config, seed=0, backend="torch", dtype="bfloat16")
+    head = {"inp.weight": torch.ones(16, len(FEATURES)), "inp.bias": torch.zeros(16), "head.weight": torch.ones(1, 16),
+            "head.bias": torch.zeros(1)}
+    head = {k: v.to(torch.bfloat16) for k, v in head.items()}
+    stream = MarketStream(head, params, config=config, instruments=[1],
+                          normaliser=Normaliser(mean=np.zeros(len(FEATURES)), std=np.ones(len(FEATURES))))
+    assert stream._rows_step is None
+    bars = synthetic_bars("planted", 3, seed=0)
+    got = [stream.update(np.array([1]), *(getattr(bars, f)[t:t + 1] for f in ("open", "high", "low", "close",
+                                                                              "volume")))[0] for t in range(3)]
+    assert np.isnan(got[0]) and np.isfinite(got[1:]).all()
