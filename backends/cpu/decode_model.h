@@ -1,7 +1,9 @@
 // The whole-model batch-1 decode step in plain pointers, written once for both backends: torch's
 // decode_model op (torch_ops.cpp) checks its tensors and calls decode_model_run, NumPy's library
 // (numpy_kernels.cpp) exports it as portable_ssm_decode_model, its arrays checked in
-// backends/numpy/decode.py. Also the per-row pieces of torch's decode_step (conv_step, head_step).
+// backends/numpy/decode.py. Also the per-row pieces of torch's decode_step (conv_step, head_step),
+// and decode_rows_run: that step for many rows of a market stream at once, each weight read once
+// per call (NumPy's portable_ssm_decode_rows, backends/numpy/rows.py).
 #pragma once
 
 #include <omp.h>

@@ -34,7 +34,8 @@ STREAM_BYTES = 16 << 20
 
 class RowsStep:
     """``step(u, rows)``: the model of ``model`` (:func:`.decode.plan`) one token on for the rows
-    ``rows`` of the states last :meth:`bind`-ed, in place; see the module docstring.
+    ``rows`` of the states last :meth:`bind`-ed, in place; see the module docstring. One call at a
+    time: a call writes its input's and output's addresses into the object's pointer table.
 
     Args:
         model: the plan (weights float32, int8 with row scales or bfloat16 bits).
