@@ -4,12 +4,24 @@ DBN reading speed and peak memory on generated 10^7-record files. Prints Markdow
     python benchmarks/market_bench.py                      # both parts
     python benchmarks/market_bench.py --only latency --instruments 1 10
     python benchmarks/market_bench.py --only reading --records 1000000
+    python benchmarks/market_bench.py --only breakdown      # where one instrument's bar goes
 
-Latency: the seed-shaped model (d_model 256, 2 layers, float32, random weights), torch limited to
-one thread, numpy's BLAS to one thread; a "bar" is one update of every instrument. The old path is
-``StreamPredictor`` (one instrument, features rebuilt from Bars, ``portable_ssm.step``), the new one
-``MarketStream`` (its module docstring says which step each backend takes). Reading: each case
-runs in a fresh process and reports records/s and its peak RSS (VmHWM) above the RSS after imports.
+Latency: two model shapes (:data:`SHAPES`, float32, random weights), torch limited to one thread,
+numpy's BLAS to one thread; a "bar" is one update of every instrument. The seed shape is the one of
+the bug reports this project started from (/work/shared/seeds: a Candle Mamba with d_model 256,
+``[16, 16]`` SSM matrices, i.e. d_state 16, and ``[8, 60, 256] -> [8, 60, 1024] (d_model -> d_inner)``,
+i.e. expand 4); they name no heads (their scan is not Mamba-2's), so headdim is Mamba-2's default 64
+(16 heads), and 2 layers is this benchmark's choice. Its weights are 6.1 MiB, its state 130 KiB per
+instrument. The second shape is the one the tables before 2026-12-06 18:20 UTC called the seed shape:
+``Mamba2Config(d_model=256, n_layer=2)``, i.e. d_state 128 and expand 2 (3.7 MiB of weights, 520 KiB
+of state per instrument). Paths: ``StreamPredictor`` (one instrument, features rebuilt from Bars,
+``portable_ssm.step``); ``MarketStream, per row`` (the step before 2026-12-06 18:20 UTC: NumPy's
+compiled whole-model step one row after another, torch's ``decode_model`` op one row after another,
+its new state copied back); ``MarketStream (new)``: every row in one call of
+``portable_ssm.backends.numpy.rows.RowsStep`` (torch: on zero-copy NumPy views of its tensors), the
+products through the row kernel below ``GEMM_ROWS`` rows and OpenBLAS's sgemm from there; with
+``--both-products`` also each of the two at every N. Reading: each case runs in a fresh process and
+reports records/s and its peak RSS (VmHWM) above the RSS after imports.
 """
 
 from __future__ import annotations
@@ -29,14 +41,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 FIELDS = ("open", "high", "low", "close", "volume")
+#: The latency tables' model shapes (Mamba2Config keyword arguments); the module docstring says why.
+SHAPES = {"seed (d_state 16, expand 4)": dict(d_model=256, n_layer=2, d_state=16, expand=4, headdim=64),
+          "d_state 128, expand 2": dict(d_model=256, n_layer=2, d_state=128, expand=2, headdim=64)}
 
 
-def _seed_model(backend: str):
+def _seed_model(backend: str, shape: str = next(iter(SHAPES))):
     from portable_ssm.market import FEATURES, MarketModel, Normaliser
 
     from portable_ssm import Mamba2Config, init_params, to_backend
 
-    config = Mamba2Config(d_model=256, n_layer=2)
+    config = Mamba2Config(**SHAPES[shape])
     rng = np.random.default_rng(0)
     head = {"inp.weight": rng.standard_normal((256, len(FEATURES))) / 3, "inp.bias": np.zeros(256),
             "head.weight": rng.standard_normal((1, 256)) / 16, "head.bias": np.zeros(1)}
@@ -62,20 +77,22 @@ def _time_old(model, bars, warmup: int) -> dict[str, float]:
     return _summary(times[warmup:])
 
 
-def _time_new(model, bars, n: int, warmup: int, kernels: bool = True) -> dict[str, float]:
-    """``MarketStream``'s bars; ``kernels=False``: made with the compiled kernels off (NumPy: ``NumpyStep``)."""
-    from portable_ssm.backends.cpu_source import ENV
+def _stream(model, n: int, path: str):
+    """``model.stream`` of n instruments on ``path``: "per row" (the step before RowsStep), "new" (the
+    default), "row kernel" or "sgemm" (RowsStep with only that product)."""
+    from portable_ssm.backends.numpy import rows
 
-    saved = os.environ.get(ENV)
-    if not kernels:
-        os.environ[ENV] = "0"
-    try:
-        stream = model.stream(list(range(n)))
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
+    stream = model.stream(list(range(n)))
+    if path == "per row":
+        stream._rows_step = None
+    elif path in ("row kernel", "sgemm"):
+        stream._rows_step = rows.RowsStep(stream._rows_step.model, gemm_rows=0 if path == "row kernel" else 1)
+    return stream
+
+
+def _time_new(model, bars, n: int, warmup: int, path: str) -> dict[str, float]:
+    """``MarketStream``'s bars on ``path`` (:func:`_stream`)."""
+    stream = _stream(model, n, path)
     ids = np.arange(n)
     rng = np.random.default_rng(n)
     jitter = np.exp(1e-4 * rng.standard_normal((len(bars), n)))  # [T, n]: each instrument its own prices
@@ -89,28 +106,70 @@ def _time_new(model, bars, n: int, warmup: int, kernels: bool = True) -> dict[st
     return _summary(times[warmup:])
 
 
-def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int) -> list[dict]:
-    """Rows of the latency table: backend, path, N, median and p99 µs per bar."""
+def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int, both_products: bool = False) -> list[dict]:
+    """Rows of the latency table: shape, backend, path, N, median and p99 µs per bar."""
     import torch
     from portable_ssm.market import synthetic_bars
 
     torch.set_num_threads(1)
     rows = []
+    paths = ["per row", "new", *(("row kernel", "sgemm") if both_products else ())]
     with torch.no_grad():
-        for backend in ("numpy", "torch"):
-            model = _seed_model(backend)
-            feed = synthetic_bars("planted", bars_per_n.get(1, 1000) + warmup, seed=0)
-            rows.append({"backend": backend, "path": "StreamPredictor (old)", "n": 1, **_time_old(model, feed, warmup)})
-            for n in instruments:
-                feed = synthetic_bars("planted", bars_per_n.get(n, 50) + warmup, seed=0)
-                if backend == "numpy":  # the step before NumPy's compiled whole-model decode
-                    rows.append({"backend": backend, "path": "MarketStream, NumpyStep", "n": n,
-                                 **_time_new(model, feed, n, warmup, kernels=False)})
-                    print(json.dumps(rows[-1]), file=sys.stderr)
-                rows.append({"backend": backend, "path": "MarketStream (new)", "n": n,
-                             **_time_new(model, feed, n, warmup)})
+        for shape in SHAPES:
+            for backend in ("numpy", "torch"):
+                model = _seed_model(backend, shape)
+                feed = synthetic_bars("planted", bars_per_n.get(1, 1000) + warmup, seed=0)
+                rows.append({"shape": shape, "backend": backend, "path": "StreamPredictor (old)", "n": 1,
+                             **_time_old(model, feed, warmup)})
                 print(json.dumps(rows[-1]), file=sys.stderr)
+                for n in instruments:
+                    feed = synthetic_bars("planted", bars_per_n.get(n, 50) + warmup, seed=0)
+                    for path in paths:
+                        label = {"per row": "MarketStream, per row (old)", "new": "MarketStream (new)"}.get(
+                            path, f"MarketStream, RowsStep {path} only")
+                        rows.append({"shape": shape, "backend": backend, "path": label, "n": n,
+                                     **_time_new(model, feed, n, warmup, path)})
+                        print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
+
+
+def breakdown(backend: str, reps: int = 400) -> dict[str, float]:
+    """Median µs of each stage of one ``MarketStream.update`` of one instrument on the seed shape
+    (time.perf_counter_ns around each stage called alone, as ``update`` calls it)."""
+    import torch
+    from portable_ssm.market import synthetic_bars
+    from portable_ssm.market._checks import check_float_array
+    from portable_ssm.market.features import feature_rows, model_inputs
+
+    torch.set_num_threads(1)
+    stream = _seed_model(backend).stream([0])
+    bars = synthetic_bars("planted", 60 + reps, seed=0)
+    ids, fields = np.arange(1), [getattr(bars, f)[:, None].copy() for f in FIELDS]  # [T, 1] each
+
+    def median(fn) -> float:
+        times = []
+        for i in range(reps):
+            started = time.perf_counter_ns()
+            fn(i)
+            times.append(time.perf_counter_ns() - started)
+        return round(float(np.median(times)) / 1e3, 1)
+
+    with torch.no_grad():
+        for i in range(60):
+            stream.update(ids, *(f[i] for f in fields))
+        bar = [f[70] for f in fields]
+        rows = stream._rows(ids)
+        features = feature_rows(stream._previous[0, rows], stream._previous[1, rows], *bar)[0]
+        x = model_inputs(features, stream.normaliser)
+        u = x @ stream._inp_t + stream._inp_b
+        return {"update (all)": median(lambda i: stream.update(ids, *(f[60 + i] for f in fields))),
+                "ids -> rows": median(lambda i: stream._rows(ids)),
+                "field checks": median(lambda i: [check_float_array(n, v, ndim=1) for n, v in zip(FIELDS, bar)]),
+                "features": median(lambda i: feature_rows(stream._previous[0, rows], stream._previous[1, rows], *bar)),
+                "normalise": median(lambda i: model_inputs(features, stream.normaliser)),
+                "input map": median(lambda i: x @ stream._inp_t + stream._inp_b),
+                "native step (RowsStep, norm_f and head.weight inside)": median(lambda i: stream._rows_step(u, None)),
+                "step with its Python (_step)": median(lambda i: stream._step(rows, x))}
 
 
 # --- reading ---
@@ -237,17 +296,22 @@ def main() -> None:
         _read_case(sys.argv[2], sys.argv[3])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=("latency", "reading"))
+    p.add_argument("--only", choices=("latency", "reading", "breakdown"))
     p.add_argument("--instruments", type=int, nargs="+", default=[1, 10, 100, 1000])
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--both-products", action="store_true",
+                   help="also time RowsStep with the row kernel only and with sgemm only at every N")
     p.add_argument("--records", type=int, default=10_000_000)
     p.add_argument("--reference-records", type=int, default=1_000_000)
     args = p.parse_args()
     result = {"load_average_at_start": [round(v, 1) for v in os.getloadavg()], "cpus": os.cpu_count()}
+    if args.only == "breakdown":
+        result["breakdown"] = {backend: breakdown(backend) for backend in ("numpy", "torch")}
+        print(json.dumps(result["breakdown"], indent=1))
     if args.only in (None, "latency"):
         bars = {1: 1000, 10: 300, 100: 100, 1000: 30}
-        result["latency"] = latency(args.instruments, bars, args.warmup)
-        print(_table(result["latency"], ["backend", "path", "n", "median_us", "p99_us", "bars"]))
+        result["latency"] = latency(args.instruments, bars, args.warmup, args.both_products)
+        print(_table(result["latency"], ["shape", "backend", "path", "n", "median_us", "p99_us", "bars"]))
     if args.only in (None, "reading"):
         result["reading"] = reading(args.records, args.reference_records)
         print(_table(result["reading"], ["case", "records", "file_mib", "records_per_s", "seconds",

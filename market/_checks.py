@@ -72,6 +72,8 @@ def check_index_array(name: str, value: Any) -> np.ndarray:
 
 def check_float_array(name: str, value: Any, *, ndim: int) -> np.ndarray:
     """``value`` as a float64 array of rank ``ndim`` (TypeError for a non-float dtype, ValueError for another rank)."""
+    if type(value) is np.ndarray and value.dtype == np.float64 and value.ndim == ndim:
+        return value  # already one (a stream's usual bar): no conversion calls
     array = np.asarray(value)
     if not np.issubdtype(array.dtype, np.floating):
         raise TypeError(f"{name}: expected a floating array, got dtype {array.dtype}")

@@ -39,14 +39,14 @@ def feature_rows(previous_log_close: np.ndarray, previous_log_volume: np.ndarray
     each (NaN: none or missing), and each bar's own ``(log close, log1p volume)`` for the next call.
     :func:`bar_features` and the streaming predictors both compute features through it, so a
     streamed row equals the batch row bit for bit."""
-    prices = np.stack([o, h, lo, c])  # [4, n]
+    prices = np.array([o, h, lo, c])  # [4, n] (np.array: np.stack's checks cost a stream's bar more than this)
     present = (np.isfinite(prices) & (prices > 0)).all(axis=0) & np.isfinite(v) & (v >= 0)
     o, h, lo, c = np.where(present, prices, np.nan)  # [n] each: a missing bar is NaN throughout
     v = np.where(present, v, np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
         log_close, log_volume = np.log(c), np.log1p(v)
-        rows = np.stack((log_close - previous_log_close, np.log(h / lo), log_close - np.log(o), log_volume,
-                         log_volume - previous_log_volume), axis=-1)  # [n, F]
+        rows = np.array([log_close - previous_log_close, np.log(h / lo), log_close - np.log(o), log_volume,
+                         log_volume - previous_log_volume]).T  # [F, n] -> [n, F]
     return rows, log_close, log_volume
 
 

@@ -8,16 +8,18 @@ batch path uses). An instrument's first bar has no features: it returns NaN and 
 alone, as :meth:`MarketModel.predict` returns NaN for row 0. Instruments join (:meth:`add`) and
 leave (:meth:`remove`) between updates; the others' states are untouched.
 
-The step (``fast=True``, the default) takes the fastest exact path each backend has: on NumPy
-its compiled whole-model decode (:func:`portable_ssm.backends.numpy.decode.decode_rows_in_place`:
-every layer, the final norm and the head in one native call per row, the state updated in place)
-where the kernels are built, else :class:`~portable_ssm.market.numpy_step.NumpyStep` (weights
-prepared once, the state updated in place); on PyTorch (CPU, float32) each row goes through the
-backend's compiled whole-model decode (``decode_model`` of ``portable_ssm.backends.torch``: every
-layer, the final norm and the head in one native call, batch 1) where it is built, its state row
-written back in place.
-Otherwise, and with ``fast=False``, it is :func:`portable_ssm.step`, the reference; tests hold
-every path to the batch forward within float32 rounding.
+The step (``fast=True``, the default) takes the fastest exact path each backend has. On NumPy,
+and on PyTorch for float32 CPU tensors (through zero-copy NumPy views of them, as the torch
+backend's own native paths read its tensors), it is one call of the compiled library per bar for
+every updating row together (:class:`portable_ssm.backends.numpy.rows.RowsStep`: the whole-model
+decode of ``backends/cpu/decode_model.h`` with each weight read once per bar for all rows, each
+row's state updated in place; the model checked once and the states once per join or leave).
+Where NumPy's kernels are not built: on NumPy :class:`~portable_ssm.market.numpy_step.NumpyStep`
+(weights prepared once, the state updated in place); on PyTorch each row through the backend's
+compiled whole-model decode (``decode_model`` of ``portable_ssm.backends.torch``, batch 1), its
+state row written back in place. Otherwise, and with ``fast=False``, it is
+:func:`portable_ssm.step`, the reference; tests hold every path to the batch forward within
+float32 rounding.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class MarketStream:
                                                               device(like), like.dtype)
         self._ids: list[int] = []
         self._row: dict[int, int] = {}
+        self._id_array = self._all_rows = np.zeros(0, np.int64)  # [N]: the ids in row order, and their rows
+        self._last: tuple[np.ndarray, np.ndarray] = (self._id_array, self._id_array)  # the last subset's ids, rows
         self._previous = np.zeros((2, 0))  # [2, N]: each row's last log close and log1p volume
         self._seen = np.zeros(0, bool)  # [N]: whether the row has had a bar
         self.state: Mamba2State | None = None  # batch N, rows in the order of ``instruments``
@@ -86,6 +90,8 @@ class MarketStream:
         self._numpy_plan = self._numpy_decode_plan() if fast else None
         use_numpy = fast and self._backend == "numpy" and NumpyStep.supports({**params, **head}, config)
         self._numpy = NumpyStep(params, config) if use_numpy else None
+        self._rows_step = self._prepared_rows_step() if fast else None
+        self._bound: Mamba2State | None = None  # the state self._rows_step holds the addresses of
         if len(instruments):
             self._join(list(instruments))
 
@@ -112,6 +118,43 @@ class MarketStream:
         """The backbone's params and config with the head as a one-row vocabulary (the LM decode's)."""
         params = {**self.params, "lm_head.weight": self.head["head.weight"]}
         return params, dataclasses.replace(self.config, tie_embeddings=False)
+
+    def _host(self, tensors: list[Any]) -> list[np.ndarray] | None:
+        """The arrays as NumPy sees their memory: themselves on NumPy, zero-copy views of plain float32
+        CPU torch tensors; None where there are none (another backend, device or dtype)."""
+        if self._backend == "numpy":
+            return list(tensors)
+        if self._backend != "torch":
+            return None
+        import torch
+        from portable_ssm.backends import torch as torch_backend
+
+        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in tensors):
+            return None  # NumPy has no bfloat16 to view them as; the other paths take them
+        views = torch_backend._plain_views(*tensors)
+        return None if views is None else list(views)
+
+    def _prepared_rows_step(self) -> Any:
+        """:class:`~portable_ssm.backends.numpy.rows.RowsStep` of the model (on NumPy, or on views of
+        float32 CPU torch tensors), and the head's input map as NumPy arrays; None where the kernels
+        are off or not built or the model is a variant that step does not compute."""
+        from portable_ssm.backends.numpy import decode, kernels, rows
+
+        if kernels.library() is None:
+            return None
+        params, config = self._head_as_vocabulary()
+        names = list(params)
+        host = self._host([params[k] for k in names] + [self.head[k] for k in HEAD_NAMES])
+        if host is None or any(getattr(a, "dtype", None) != np.float32 for a in host[len(names):]):
+            return None  # the head float32; plan() checks the backbone's arrays
+        try:
+            plan = decode.plan(dict(zip(names, host)), config)
+        except ValueError:
+            return None
+        inp_w, inp_b, _, head_b = host[len(names):]
+        self._inp_t, self._inp_b = np.ascontiguousarray(inp_w.T), inp_b  # [F, d_model], [d_model]
+        self._head_bias = head_b[0]
+        return rows.RowsStep(plan)
 
     def _numpy_decode_plan(self) -> Any:
         """The model as NumPy's compiled whole-model step reads it
@@ -149,6 +192,13 @@ class MarketStream:
             self._ids.append(i)
         self._previous = np.concatenate([self._previous, np.full((2, len(ids)), np.nan)], axis=1)
         self._seen = np.concatenate([self._seen, np.zeros(len(ids), bool)])
+        self._rows_changed()
+
+    def _rows_changed(self) -> None:
+        """After a join or leave: the id-to-row answers kept by :meth:`_rows` are stale."""
+        self._id_array = np.array(self._ids, dtype=np.int64)
+        self._all_rows = np.arange(len(self._ids))
+        self._last = (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     def remove(self, instrument_id: int) -> None:
         """The instrument leaves: its row and state are dropped; the others keep theirs."""
@@ -160,6 +210,7 @@ class MarketStream:
         self._row = {i: r for r, i in enumerate(self._ids)}
         keep = np.delete(np.arange(len(self._ids) + 1), gone)
         self._previous, self._seen = self._previous[:, keep], self._seen[keep]
+        self._rows_changed()
         if not self._ids:
             self.state = None
             return
@@ -168,15 +219,21 @@ class MarketStream:
                                  ssm=tuple(self._xp.take(a, rows, axis=0) for a in self.state.ssm))
 
     def _rows(self, instrument_ids: Any) -> np.ndarray:
+        """The state rows of ``instrument_ids`` (checked); the last answer again, without a look-up
+        per id, for the same ids as the last update or every instrument in row order."""
         ids = np.asarray(instrument_ids)
         if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1:
             raise TypeError(f"instrument_ids: expected a 1-D integer array, got {ids.dtype} {ids.shape}")
+        for known, rows in ((self._id_array, self._all_rows), self._last):
+            if ids.shape == known.shape and np.array_equal(ids, known):
+                return rows
         unknown = [int(i) for i in ids if int(i) not in self._row]
         if unknown:
             raise ValueError(f"instrument_ids: {unknown[:10]} are not streaming; add() them first")
         rows = np.array([self._row[int(i)] for i in ids], dtype=np.int64)
         if np.unique(rows).size != rows.size:
             raise ValueError("instrument_ids: an instrument appears twice in one update")
+        self._last = (ids.astype(np.int64), rows)
         return rows
 
     def update(self, instrument_ids: Any, open: Any, high: Any, low: Any, close: Any, volume: Any) -> np.ndarray:
@@ -193,6 +250,8 @@ class MarketStream:
         stepping = self._seen[rows]  # [k]: rows with a bar before (their features exist)
         self._previous[:, rows] = log_close, log_volume
         self._seen[rows] = True
+        if stepping.all():  # every row has had a bar (the usual bar): no selection
+            return self._step(rows, model_inputs(features, self.normaliser))
         out = np.full(rows.size, np.nan)
         if stepping.any():
             out[stepping] = self._step(rows[stepping], model_inputs(features[stepping], self.normaliser))
@@ -201,7 +260,9 @@ class MarketStream:
     def _step(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
         """Model outputs ``[k]`` of inputs ``x [k, F]`` (float32) for state rows ``rows [k]``."""
         xp = self._xp
-        everyone = rows.size == len(self._ids) and (rows == np.arange(rows.size)).all()
+        everyone = rows is self._all_rows or rows.size == len(self._ids) and (rows == np.arange(rows.size)).all()
+        if self._rows_step is not None:
+            return self._rows_together(None if everyone else rows, x)
         if self._numpy_plan is not None:
             return self._numpy_native_rows(rows, x)
         if self._numpy is not None:
@@ -219,6 +280,20 @@ class MarketStream:
         out = _linear(y, self.head["head.weight"], self.head["head.bias"])  # [k, 1]
         self.state = state if everyone else self._scatter(index, state)
         return np.asarray(to_backend(out, "numpy"), dtype=np.float64)[:, 0]
+
+    def _rows_together(self, rows: np.ndarray | None, x: np.ndarray) -> np.ndarray:
+        """:meth:`_step` as one call of :class:`~portable_ssm.backends.numpy.rows.RowsStep` for the
+        rows ``rows`` (None: every row in order), their states updated in place."""
+        if self._bound is not self.state:  # joined, left or replaced since the last bar: bind the new arrays
+            parts = [self._host(list(part)) for part in (self.state.conv, self.state.ssm)]
+            if any(p is None or not all(a.flags.c_contiguous for a in p) for p in parts):
+                raise ValueError("MarketStream.state: expected contiguous float32 arrays on the model's backend")
+            self._rows_step.bind(*parts)
+            self._bound = self.state
+        u = x @ self._inp_t  # [k, F] @ [F, d_model] -> [k, d_model] float32
+        u += self._inp_b
+        logits = self._rows_step(u, rows)  # [k, 1]: norm_f and head.weight applied
+        return (logits[:, 0] + self._head_bias).astype(np.float64)
 
     def _native_rows(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray | None:
         """:meth:`_step` as one whole-model native decode per row (batch 1 each), each row's state

@@ -75,17 +75,27 @@ def test_streaming_many_instruments_joining_and_leaving_equals_the_batch_forward
     joins, leaves = {3: 0, 9: 0, 4: 10}, {9: 25}  # 4 joins at bar 10; 9 leaves after bar 24
     stream = model.stream(instruments=[], fast=fast)
     assert (stream._numpy is not None) == (fast and xp.name == "numpy")
-    compiled = fast and xp.name == "numpy" and numpy_kernels.library() is not None  # NumPy's whole-model step
-    assert (stream._numpy_plan is not None) == compiled
+    compiled = fast and numpy_kernels.library() is not None  # NumPy's whole-model step
+    assert (stream._numpy_plan is not None) == (compiled and xp.name == "numpy")
+    on_host = xp.name == "numpy" or xp.name == "torch" and str(xp.device) == "cpu"  # torch: through host views
+    assert (stream._rows_step is not None) == (compiled and on_host)  # every row in one call per bar
+    _stream_and_compare(model, stream, series, joins, leaves, skipping=3)
+    assert stream.instruments == (3, 4)
+
+
+def _stream_and_compare(model, stream, series, joins, leaves, *, skipping, count=30):
+    """Streams ``series`` (instrument id -> Bars) through ``stream`` with instruments joining at
+    ``joins`` and leaving at ``leaves`` (id -> bar), ``skipping`` updating only on some bars (subsets
+    of the rows), and holds each instrument's predictions to the batch forward of its own bars."""
     streamed: dict[int, list[float]] = {i: [] for i in series}
-    for t in range(30):
+    for t in range(count):
         for i, at in joins.items():
             if at == t:
                 stream.add(i)
         for i, at in leaves.items():
             if at == t:
                 stream.remove(i)
-        ids = [i for i in stream.instruments if t % 4 != 1 or i != 3]  # 3 skips some bars' updates: subsets
+        ids = [i for i in stream.instruments if t % 4 != 1 or i != skipping]  # skipping misses some bars: subsets
         bars = {i: series[i] for i in ids}
         start = {i: joins[i] for i in ids}
         out = stream.update(np.array(ids), *(np.array([getattr(bars[i], f)[t] for i in ids])
@@ -94,24 +104,53 @@ def test_streaming_many_instruments_joining_and_leaving_equals_the_batch_forward
             streamed[i].append((t - start[i], value))
     for i, values in streamed.items():
         taken = np.array([k for k, _ in values])
-        bars = series[i].slice(joins[i], 30)
+        bars = series[i].slice(joins[i], leaves.get(i, count))
         bars = Bars(**{f: getattr(bars, f)[taken] for f in ("ts_event", "open", "high", "low", "close", "volume")})
         batch = model.predict(bars)
         got = np.array([v for _, v in values])
         assert np.isnan(got[0]) and np.isnan(batch[0])
         np.testing.assert_allclose(got[1:], batch[1:], rtol=2e-4, atol=2e-5, err_msg=f"instrument {i}")
-    assert stream.instruments == (3, 4)
 
 
-def test_a_single_torch_instrument_streams_through_the_whole_model_decode_and_equals_batch(monkeypatch):
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("gemm_rows", [0, 1], ids=["row kernel", "sgemm"])
+def test_many_instruments_stepped_together_in_one_native_call_per_bar_equal_the_batch_forward(backend, gemm_rows,
+                                                                                              monkeypatch):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    if numpy_kernels.library() is None:
+        pytest.skip("NumPy's compiled kernels are not built here")
+    from portable_ssm.backends.numpy import rows as rows_module
+
+    calls = []
+    real = rows_module.RowsStep.__call__
+    monkeypatch.setattr(rows_module, "GEMM_ROWS", gemm_rows)
+    monkeypatch.setattr(rows_module.RowsStep, "__call__", lambda self, u, rows=None: calls.append(len(u)) or
+                        real(self, u, rows))
+    model = _model(backend)
+    kinds = ("planted", "random-walk")
+    series = {i: synthetic_bars(kinds[i % 2], 24, seed=10 + i) for i in range(12)}
+    series[5] = _with_nan(series[5], 9)
+    joins = {i: 0 if i < 8 else 3 + i for i in series}  # 8 to 11 join one by one later
+    leaves = {2: 14, 6: 20}
+    stream = model.stream(instruments=[], fast=True)
+    _stream_and_compare(model, stream, series, joins, leaves, skipping=4, count=24)
+    assert stream.instruments == (0, 1, 3, 4, 5, 7, 8, 9, 10, 11)
+    assert max(calls) >= 8 and len(calls) == 23  # one call a bar for all its rows (bar 0: no features yet)
+
+
+def test_without_numpy_kernels_a_torch_instrument_streams_through_the_whole_model_decode_and_equals_batch(
+        monkeypatch):
     torch = pytest.importorskip("torch")
     from portable_ssm.backends import torch as torch_backend
 
+    monkeypatch.setattr(numpy_kernels, "library", lambda: None)  # no host-view step: the torch op row by row
     real, taken = torch_backend.decode_model, []
     monkeypatch.setattr(torch_backend, "decode_model", lambda *a: taken.append(r := real(*a)) or r)
     model = _model("torch")
     bars = synthetic_bars("planted", 25, seed=4)
     stream = model.stream([1])
+    assert stream._rows_step is None
     with torch.no_grad():
         got = [stream.update(np.array([1]), *(getattr(bars, f)[t:t + 1] for f in ("open", "high", "low", "close",
                                                                                       "volume")))[0]
@@ -200,3 +239,39 @@ def test_any_bar_values_stream_to_finite_predictions_and_never_raise(bars):
         out = stream.update(np.array([1, 2]), *(np.array([v, 1.0]) for v in values))
         assert out.shape == (2,) and out.dtype == np.float64
         assert np.isnan(out).all() if i == 0 else np.isfinite(out).all()  # a bad bar reads as the training mean
+
+
+def test_a_stream_whose_state_is_replaced_steps_the_new_state_not_the_old_arrays():
+    from portable_ssm import Mamba2State
+
+    model = _model()
+    bars = synthetic_bars("planted", 12, seed=6)
+    fields = ("open", "high", "low", "close", "volume")
+    kept, replaced = model.stream([1]), model.stream([1])
+    for t in range(12):
+        if t == 6:  # a copy of the same values, in new arrays
+            old = replaced.state
+            replaced.state = Mamba2State(*(tuple(a.copy() for a in part) for part in old))
+            frozen = [a.copy() for a in (*old.conv, *old.ssm)]
+        want = kept.update(np.array([1]), *(getattr(bars, f)[t:t + 1] for f in fields))
+        got = replaced.update(np.array([1]), *(getattr(bars, f)[t:t + 1] for f in fields))
+        np.testing.assert_array_equal(got, want)
+    assert all(np.array_equal(a, b) for a, b in zip((*old.conv, *old.ssm), frozen))  # the old arrays untouched
+    for a, b in zip((*kept.state.conv, *kept.state.ssm), (*replaced.state.conv, *replaced.state.ssm)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_bfloat16_torch_stream_is_built_and_steps_without_numpy_views():
+    torch = pytest.importorskip("torch")
+    config = Mamba2Config(d_model=16, n_layer=1, d_state=8, headdim=8)
+    params = init_params(config, seed=0, backend="torch", dtype="bfloat16")
+    head = {"inp.weight": torch.ones(16, len(FEATURES)), "inp.bias": torch.zeros(16), "head.weight": torch.ones(1, 16),
+            "head.bias": torch.zeros(1)}
+    head = {k: v.to(torch.bfloat16) for k, v in head.items()}
+    stream = MarketStream(head, params, config=config, instruments=[1],
+                          normaliser=Normaliser(mean=np.zeros(len(FEATURES)), std=np.ones(len(FEATURES))))
+    assert stream._rows_step is None
+    bars = synthetic_bars("planted", 3, seed=0)
+    got = [stream.update(np.array([1]), *(getattr(bars, f)[t:t + 1] for f in ("open", "high", "low", "close",
+                                                                              "volume")))[0] for t in range(3)]
+    assert np.isnan(got[0]) and np.isfinite(got[1:]).all()

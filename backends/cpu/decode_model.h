@@ -1,7 +1,9 @@
 // The whole-model batch-1 decode step in plain pointers, written once for both backends: torch's
 // decode_model op (torch_ops.cpp) checks its tensors and calls decode_model_run, NumPy's library
 // (numpy_kernels.cpp) exports it as portable_ssm_decode_model, its arrays checked in
-// backends/numpy/decode.py. Also the per-row pieces of torch's decode_step (conv_step, head_step).
+// backends/numpy/decode.py. Also the per-row pieces of torch's decode_step (conv_step, head_step),
+// and decode_rows_run: that step for many rows of a market stream at once, each weight read once
+// per call (NumPy's portable_ssm_decode_rows, backends/numpy/rows.py).
 #pragma once
 
 #include <omp.h>
@@ -197,6 +199,82 @@ inline void decode_model_run(const float* x0, int64_t d, const LayerView* views,
     const auto [v0, v1] = share(lm_head.out, t, team, 8);
     row_share(lm_head, normed.data(), out, v0, v1);
   }
+}
+
+}  // namespace
+
+namespace {
+
+// y [b, w.out] = x [b, w.in] · wᵀ (times w's row scales) through the row kernel: the weight read
+// once per tile of x rows (the tile's rows stay in L2 while eight weight rows at a time pass
+// them), each output the same floats as row_share's for that row alone (decode_model_run's).
+inline void tiled_products(const RowWeight& w, const float* x, int64_t b, float* y) {
+  const int64_t tile = std::max<int64_t>(8, (int64_t{256} << 10) / (4 * w.in));  // x rows in 256 KiB
+  for (int64_t j0 = 0; j0 < b; j0 += tile) {
+    const int64_t j1 = std::min(b, j0 + tile);
+    for (int64_t r0 = 0; r0 < w.out; r0 += 8) {
+      const int64_t r1 = std::min(w.out, r0 + 8);
+      for (int64_t j = j0; j < j1; ++j) row_share(w, x + j * w.in, y + j * w.out, r0, r1);
+    }
+  }
+}
+
+// One token for b rows of a market stream through the whole model on one thread, each row its own
+// state updated in place (row j's layer i conv state at conv_rows[j·layers + i], ssm state at
+// ssm_rows[j·layers + i]): decode_model_run's arithmetic row by row (views' state pointers unused)
+// except the products, which product(weight, x [b, in], b, y [b, out]) computes for all rows at
+// once (each weight read once per call, where b rows one at a time read it b times). With
+// tiled_products every output is the same float as decode_model_run's for that row alone. stream:
+// new states streamed past the caches (states far larger than the caches).
+template <typename Product>
+inline void decode_rows_run(const float* x0, int64_t b, int64_t d, const LayerView* views, int64_t layers,
+                            float* const* conv_rows, float* const* ssm_rows, const float* final_norm,
+                            const RowWeight& lm_head, float* out, double eps, float lo, float hi, int64_t g,
+                            int64_t p, bool stream, const Product& product) {
+  int64_t widest = d, most_inner = 0, most_bc = 0, most_window = 0;
+  for (int64_t i = 0; i < layers; ++i) {
+    const LayerView& v = views[i];
+    widest = std::max(widest, v.in.out), most_inner = std::max(most_inner, v.h * p);
+    most_bc = std::max(most_bc, 2 * g * v.n), most_window = std::max(most_window, 2 * g * v.n * v.k);
+  }
+  std::vector<float> residual(x0, x0 + b * d), normed(b * d), zxbcdt(b * widest), gated(b * most_inner),
+      hidden(b * d), act(most_inner), y(most_inner), bc(most_bc), spare(most_window);
+  for (int64_t i = 0; i < layers; ++i) {
+    const LayerView& L = views[i];
+    const int64_t d_inner = L.h * p, k = L.k, n = L.n, width = L.in.out;
+    if (i > 0) {
+      for (int64_t c = 0; c < b * d; ++c) residual[c] += hidden[c];
+    }
+    norm_rows(residual.data(), d, nullptr, 0, L.norm, normed.data(), d, d, eps, 0, b);
+    product(L.in, normed.data(), b, zxbcdt.data());
+    for (int64_t j = 0; j < b; ++j) {
+      float* conv = conv_rows[j * layers + i];
+      float* H = ssm_rows[j * layers + i];
+      const float* row = zxbcdt.data() + j * width;  // [z (d_inner), x, B, C, dt (h)]
+      const float* xBC = row + d_inner;
+      conv_step(conv + d_inner * k, xBC + d_inner, L.conv_w + d_inner * k,
+                L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, spare.data(), bc.data(), k, 2 * g * n);
+      conv_step(conv, xBC, L.conv_w, L.conv_b, conv, act.data(), k, d_inner);
+      std::copy(spare.data(), spare.data() + 2 * g * n * k, conv + d_inner * k);
+      const bool streamed = stream && streams(H, n);
+      for (int64_t hd = 0; hd < L.h; ++hd) {
+        const int64_t group = hd / (L.h / g);
+        head_step(row[d_inner + L.conv_dim + hd], L.dt_bias[hd], -std::exp(L.A_log[hd]), lo, hi,
+                  act.data() + hd * p, bc.data() + group * n, bc.data() + (g + group) * n, H + hd * p * n,
+                  H + hd * p * n, streamed, L.d_per_channel ? L.D + hd * p : nullptr, L.D[hd], row + hd * p,
+                  y.data() + hd * p, p, n);
+      }
+      norm_rows(y.data(), d_inner, nullptr, 0, L.gate_norm, gated.data() + j * d_inner, d_inner, d_inner / g, eps, 0,
+                1);
+    }
+    product(L.out, gated.data(), b, hidden.data());
+  }
+  if (layers > 0) {
+    for (int64_t c = 0; c < b * d; ++c) residual[c] += hidden[c];
+  }
+  norm_rows(residual.data(), d, nullptr, 0, final_norm, normed.data(), d, d, eps, 0, b);
+  product(lm_head, normed.data(), b, out);
+  _mm_sfence();  // the streamed rows are visible before the step returns
 }
 
 }  // namespace

@@ -44,6 +44,25 @@ struct BlasGemm {
   }
 };
 
+// The layers' views of portable_ssm_decode_model's tables (below).
+std::vector<LayerView> layer_views(const int64_t* sizes, void* const* pointers) {
+  const int64_t layers = sizes[0], d = sizes[1], p = sizes[3];
+  const auto f = [pointers](int64_t i) { return static_cast<float*>(pointers[i]); };
+  std::vector<LayerView> views(layers);
+  for (int64_t i = 0; i < layers; ++i) {
+    const int64_t* s = sizes + 6 + 7 * i;
+    const int64_t at = 5 + 15 * i;
+    LayerView& v = views[i];
+    v.h = s[0], v.conv_dim = s[1], v.k = s[2], v.n = s[3], v.d_per_channel = s[6] != 0;
+    v.norm = f(at), v.conv_state = f(at + 1), v.conv_w = f(at + 2), v.conv_b = f(at + 3), v.dt_bias = f(at + 4);
+    v.A_log = f(at + 5), v.D = f(at + 6), v.gate_norm = f(at + 7), v.H = f(at + 8), v.new_conv = f(at + 9);
+    v.Hn = f(at + 10), v.stream = streams(v.Hn, v.n);
+    v.in = {pointers[at + 11], s[4], f(at + 12), v.h * p + v.conv_dim + v.h, d};
+    v.out = {pointers[at + 13], s[5], f(at + 14), d, v.h * p};
+  }
+  return views;
+}
+
 }  // namespace
 
 extern "C" {
@@ -106,22 +125,37 @@ double portable_ssm_scan_forward(const int64_t* sizes, void* const* pointers, do
 void portable_ssm_decode_model(const int64_t* sizes, void* const* pointers, double eps, double low, double high,
                                int64_t threads) {
   const int64_t layers = sizes[0], d = sizes[1], g = sizes[2], p = sizes[3];
-  const auto f = [pointers](int64_t i) { return static_cast<float*>(pointers[i]); };
-  std::vector<LayerView> views(layers);
-  for (int64_t i = 0; i < layers; ++i) {
-    const int64_t* s = sizes + 6 + 7 * i;
-    const int64_t at = 5 + 15 * i;
-    LayerView& v = views[i];
-    v.h = s[0], v.conv_dim = s[1], v.k = s[2], v.n = s[3], v.d_per_channel = s[6] != 0;
-    v.norm = f(at), v.conv_state = f(at + 1), v.conv_w = f(at + 2), v.conv_b = f(at + 3), v.dt_bias = f(at + 4);
-    v.A_log = f(at + 5), v.D = f(at + 6), v.gate_norm = f(at + 7), v.H = f(at + 8), v.new_conv = f(at + 9);
-    v.Hn = f(at + 10), v.stream = streams(v.Hn, v.n);
-    v.in = {pointers[at + 11], s[4], f(at + 12), v.h * p + v.conv_dim + v.h, d};
-    v.out = {pointers[at + 13], s[5], f(at + 14), d, v.h * p};
-  }
-  const RowWeight lm_head{pointers[2], sizes[5], f(3), sizes[4], d};
-  decode_model_run(f(0), d, views.data(), layers, f(1), lm_head, f(4), eps, static_cast<float>(low),
-                   static_cast<float>(high), g, p, static_cast<int>(threads));
+  const std::vector<LayerView> views = layer_views(sizes, pointers);
+  const RowWeight lm_head{pointers[2], sizes[5], static_cast<const float*>(pointers[3]), sizes[4], d};
+  decode_model_run(static_cast<const float*>(pointers[0]), d, views.data(), layers,
+                   static_cast<const float*>(pointers[1]), lm_head, static_cast<float*>(pointers[4]), eps,
+                   static_cast<float>(low), static_cast<float>(high), g, p, static_cast<int>(threads));
+}
+
+// decode_rows_run on the tables of portable_ssm_decode_model (x [b, d], logits [b, head_out]; its
+// per-layer state slots unused) for b rows whose states are at conv_rows and ssm_rows [b, layers]:
+// one thread, each row's state updated in place. options = {stream, gemm_rows, ilp64}: the float32
+// products of calls with at least gemm_rows rows (0: none) go to the CBLAS sgemm (NumPy's
+// OpenBLAS, held at one thread by the caller), the others to the row kernel (tiled_products).
+void portable_ssm_decode_rows(const int64_t* sizes, void* const* pointers, float* const* conv_rows,
+                              float* const* ssm_rows, int64_t b, double eps, double low, double high,
+                              const int64_t* options, void* sgemm) {
+  const int64_t layers = sizes[0], d = sizes[1], g = sizes[2], p = sizes[3];
+  const std::vector<LayerView> views = layer_views(sizes, pointers);
+  const RowWeight lm_head{pointers[2], sizes[5], static_cast<const float*>(pointers[3]), sizes[4], d};
+  const bool gemm_here = sgemm != nullptr && options[1] > 0 && b >= options[1];
+  const BlasGemm gemm{sgemm, options[2] != 0};
+  const auto product = [&](const RowWeight& w, const float* x, int64_t rows, float* y) {
+    if (gemm_here && w.kind == kWeightF32 && w.scale == nullptr) {
+      gemm(1, false, true, rows, w.out, w.in, x, w.in, 0, static_cast<const float*>(w.data), w.in, 0, 0.f, y, w.out,
+           0);  // y [rows, out] = x [rows, in] · wᵀ
+    } else {
+      tiled_products(w, x, rows, y);
+    }
+  };
+  decode_rows_run(static_cast<const float*>(pointers[0]), b, d, views.data(), layers, conv_rows, ssm_rows,
+                  static_cast<const float*>(pointers[1]), lm_head, static_cast<float*>(pointers[4]), eps,
+                  static_cast<float>(low), static_cast<float>(high), g, p, options[0] != 0, product);
 }
 
 }  // extern "C"

@@ -85,6 +85,8 @@ _SIGNATURES = {
     "portable_ssm_scan_forward": [_POINTER, _POINTER, ctypes.c_double, _INT, _INT],
     "portable_ssm_row_product": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "portable_ssm_decode_model": [_POINTER, _POINTER, ctypes.c_double, ctypes.c_double, ctypes.c_double, _INT],
+    "portable_ssm_decode_rows": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, ctypes.c_double, ctypes.c_double,
+                                 ctypes.c_double, _POINTER, _POINTER],
 }
 _RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double}
 
