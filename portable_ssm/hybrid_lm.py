@@ -99,10 +99,10 @@ class HybridLM:
         """This model with every projection stored as ``kind`` (``"int8"``, ``"bfloat16"``;
         ``"float32"``: this model itself), through :func:`portable_ssm.quantize` and the Mamba-2
         model's matmul: attention q/k/v/o, the MLPs, the Mamba in/out projections, Zamba2's
-        linear, the embedding and the head (:data:`QUANTIZED`). The MoE routers and the stacked
-        experts ``[E, out, in]`` stay float32, as do norms, convs, biases and the SSM scalars."""
-        names = [k for k, v in self.params.items()
-                 if ".".join(k.split(".")[-2:]) in QUANTIZED and "experts." not in k and v.ndim == 2]
+        linear, the embedding, the head (:data:`QUANTIZED`) and the MoE experts ``[E, out, in]``
+        (int8: a scale per output row of each expert). The MoE routers stay float32, as do norms,
+        convs, biases and the SSM scalars."""
+        names = [k for k in self.params if ".".join(k.split(".")[-2:]) in QUANTIZED]
         params = quantize(self.params, kind, names=names)
         if kind == "float32":
             return self
