@@ -136,6 +136,9 @@ class _Numpy:
     def asarray_from(self, host, dtype):
         return np.asarray(host, dtype=dtype)
 
+    def numpy(self, a):
+        return np.asarray(a)
+
 
 NUMPY = _Numpy()
 
@@ -160,8 +163,9 @@ def test_left_padded_rows_give_what_each_row_gives_alone(xp, case):
 def test_greedy_generation_is_token_equal_to_transformers_for_ragged_rows(xp, case):
     lm = _load(xp, case)
     ids, mask = _ragged(xp, case)
-    got = xp.numpy(lm.generate(ids, max_new_tokens=NEW, attention_mask=mask))
-    np.testing.assert_array_equal(got, np.stack(case["tokens"]))
+    got = xp.numpy(lm.generate(ids, max_new_tokens=NEW, attention_mask=mask))  # [b, l + new]
+    np.testing.assert_array_equal(got[:, :PROMPT], xp.numpy(ids))
+    np.testing.assert_array_equal(got[:, PROMPT:], np.stack(case["tokens"]))
 
 
 def test_generation_continues_from_a_returned_state(xp, case):
@@ -394,7 +398,8 @@ def test_rows_stop_at_eos_then_pad_and_the_stream_ends_when_all_did(case):
     ids, mask = _ragged(NUMPY, case)
     got = lm.generate(ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
     rows = [_cut_at(t, eos, 0) for t in case["tokens"]]
-    assert got.shape == (2, max(end for _, end in rows))
-    np.testing.assert_array_equal(got, np.stack([r for r, _ in rows])[:, :got.shape[1]])
+    assert got.shape == (2, PROMPT + max(end for _, end in rows))
+    np.testing.assert_array_equal(got[:, :PROMPT], ids)
+    np.testing.assert_array_equal(got[:, PROMPT:], np.stack([r for r, _ in rows])[:, :got.shape[1] - PROMPT])
     tokens = [t for t, _ in lm.stream(ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=None)]
     np.testing.assert_array_equal(np.stack(tokens, axis=1), np.stack(case["tokens"]))
