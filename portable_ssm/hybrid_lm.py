@@ -99,10 +99,10 @@ class HybridLM:
         """This model with every projection stored as ``kind`` (``"int8"``, ``"bfloat16"``;
         ``"float32"``: this model itself), through :func:`portable_ssm.quantize` and the Mamba-2
         model's matmul: attention q/k/v/o, the MLPs, the Mamba in/out projections, Zamba2's
-        linear, the embedding and the head (:data:`QUANTIZED`). The MoE routers and the stacked
-        experts ``[E, out, in]`` stay float32, as do norms, convs, biases and the SSM scalars."""
-        names = [k for k, v in self.params.items()
-                 if ".".join(k.split(".")[-2:]) in QUANTIZED and "experts." not in k and v.ndim == 2]
+        linear, the embedding, the head (:data:`QUANTIZED`) and the MoE experts ``[E, out, in]``
+        (int8: a scale per output row of each expert). The MoE routers stay float32, as do norms,
+        convs, biases and the SSM scalars."""
+        names = [k for k in self.params if ".".join(k.split(".")[-2:]) in QUANTIZED]
         params = quantize(self.params, kind, names=names)
         if kind == "float32":
             return self
@@ -204,6 +204,26 @@ class HybridLM:
         check_id_dtype(ids, o, xp=self._xp)
         return ids, mask, o
 
+    def _start(self, ids: Array, mask: Array | None, o: Options,
+               state: HybridState | None) -> tuple[Array, HybridState]:
+        """The prompt prefilled (into ``state``, else a fresh one with room for the new tokens):
+        ``(last logits [b, V], state)``."""
+        if state is None:
+            state = self.empty_state(ids.shape[0], ids.shape[1] + o.new)
+        logits, state = self.prefill(ids, attention_mask=mask, state=state)
+        return logits[:, -1, :], state
+
+    def _decode(self, ids: Array, mask: Array | None, o: Options, last: Array,
+                state: HybridState) -> Iterator[tuple[Array, HybridState]]:
+        """``(token [b], state before it)`` per new token, from the prompt's last logits on."""
+        chooser = TokenChooser(o, ids, mask, xp=self._xp)
+        for _ in range(o.new):
+            token, _, done = chooser.next(last)
+            yield token, state
+            if done:
+                return
+            last, state = self.step(token, state)
+
     def stream(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
                state: HybridState | None = None, eos_token_id: Any = CHECKPOINT_EOS,
                **options: Any) -> Iterator[tuple[Array, HybridState]]:
@@ -220,29 +240,23 @@ class HybridLM:
         :class:`~portable_ssm.generation.TokenChooser`. A finished row emits the filler from then on
         (its state keeps taking it) and the stream ends once every row has finished."""
         ids, mask, o = self._prepared(input_ids, attention_mask, max_new_tokens, eos_token_id, options)
-        b, l = ids.shape
-        if state is None:
-            state = self.empty_state(b, l + o.new)
-        logits, state = self.prefill(ids, attention_mask=mask, state=state)
-        chooser = TokenChooser(o, ids, mask, xp=self._xp)
-        last = logits[:, -1, :]  # [b, V]
-        for _ in range(o.new):
-            token, _, done = chooser.next(last)
-            yield token, state
-            if done:
-                return
-            last, state = self.step(token, state)
+        last, state = self._start(ids, mask, o, state)
+        yield from self._decode(ids, mask, o, last, state)
 
     def generate(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
                  state: HybridState | None = None, return_state: bool = False, eos_token_id: Any = CHECKPOINT_EOS,
                  **options: Any) -> Array | tuple[Array, HybridState]:
-        """The continuation ``[b, new]`` of ``input_ids [b, l]`` (:meth:`stream`'s tokens side by
-        side, ``new <= max_new_tokens``; arguments as there); with ``return_state`` also the state
-        after the prompt and every returned token but the last (feed that one to :meth:`step` or
-        a next prompt)."""
+        """The prompt followed by its continuation: ``input_ids [b, l] -> [b, l + new]``, as
+        :meth:`portable_ssm.Mamba2LM.generate` and transformers' ``generate`` return (a list of
+        unequal prompts left-padded with 0; :meth:`stream`'s tokens after it, ``new <=
+        max_new_tokens``, rows that finished early filled with ``pad_token_id``; arguments as
+        there). With ``return_state`` also the state after the prompt and every new token but the
+        last (feed that one to :meth:`step` or a next prompt)."""
         check_bool("return_state", return_state)
         xp = self._xp
-        steps = list(self.stream(input_ids, max_new_tokens, attention_mask=attention_mask, state=state,
-                                 eos_token_id=eos_token_id, **options))
-        ids = xp.stack([token for token, _ in steps], axis=1)  # [b, new]
-        return (ids, steps[-1][1]) if return_state else ids
+        ids, mask, o = self._prepared(input_ids, attention_mask, max_new_tokens, eos_token_id, options)
+        last, state = self._start(ids, mask, o, state)
+        steps = list(self._decode(ids, mask, o, last, state))
+        if steps:
+            ids, state = xp.concat([ids, xp.stack([token for token, _ in steps], axis=1)], axis=1), steps[-1][1]
+        return (ids, state) if return_state else ids  # [b, l + new]

@@ -1,8 +1,10 @@
 """Low-precision weights for inference: :func:`quantize` and :class:`QuantizedWeight`.
 
-The projections (``in_proj``, ``out_proj``), the embedding and the LM head are stored as
+The projections (``in_proj``, ``out_proj``), the embedding and the LM head (and, for hybrid
+models, the stacked MoE experts ``[E, out, in]``) are stored as
 
-* ``"int8"``: symmetric int8 with one float32 scale per output channel (row): ``w ≈ q · scale[:, None]``,
+* ``"int8"``: symmetric int8 with one float32 scale per output channel (row; per expert in a
+  stack): ``w ≈ q · scale[..., None]``,
   ``scale = max|w_row| / 127``, ``q = round(w / scale)``. Per-channel, not llama.cpp's blocks of
   32, because that is the layout PyTorch's shipped weight-only kernel (``_weight_int8pack_mm``)
   multiplies; a row of the embedding is a row of the (tied) head, so one table serves both.
@@ -13,8 +15,9 @@ Everything else (conv, Δ, A, D, norms, biases), the activations and the states 
 :class:`QuantizedWeight` stands for the float32 ``[out, in]`` matrix it approximates: its
 ``shape``, ``dtype`` (float32), ``device`` and array namespace are that matrix's, so
 :func:`portable_ssm.check_params`, the model's dtype checks and generation take quantized params
-as they are; only the matrix multiply (:func:`quantized_matmul`) and the embedding lookup
-(:func:`take_rows`) read its storage. The reference (:func:`quantized_matmul_ref`) dequantizes
+as they are; only the matrix multiply (:func:`quantized_matmul`, matrices only), the embedding
+lookup and the MoE block's choice of experts (:func:`take_rows`) and :func:`dequantize` read its
+storage. The reference (:func:`quantized_matmul_ref`) dequantizes
 with standard array-API functions and multiplies in float32; backends replace it through
 ``fast_op(xp, "quantized_matmul")``.
 """
@@ -48,18 +51,20 @@ _LARGEST_SCALE = float.fromhex("0x1.020406p+121")
 
 @dataclass(frozen=True, eq=False)
 class QuantizedWeight:
-    """A float32 ``[out, in]`` weight stored in low precision.
+    """A float32 ``[out, in]`` weight, or a stack ``[E, out, in]`` of them (MoE experts), stored
+    in low precision.
 
     Attributes:
-        data: ``int8 [out, in]`` for ``kind="int8"``; ``bfloat16`` (torch, JAX) or its bits as
-            ``uint16 [out, in]`` (other backends) for ``kind="bfloat16"``.
-        scale: ``float32 [out]``, the per-row scale of ``"int8"``; None for ``"bfloat16"``.
+        data: ``int8 [..., out, in]`` for ``kind="int8"``; ``bfloat16`` (torch, JAX) or its bits
+            as ``uint16 [..., out, in]`` (other backends) for ``kind="bfloat16"``.
+        scale: ``float32 [..., out]``, the per-row scale of ``"int8"`` (one per output row of each
+            expert in a stack); None for ``"bfloat16"``.
         kind: ``"int8"`` or ``"bfloat16"``.
         dtype: the dtype the weight computes in (float32): the one activations must have.
         packed: the backend's kernel-ready copy of ``data``, which its ``quantized_matmul``
             reads instead (``fast_op(xp, "pack_quantized")`` adds it in :func:`quantize`; torch
             on CPU: fbgemm's prepacked weight); None where the backend has none. It is held
-            beside ``data``, which the embedding lookup and the reference read.
+            beside ``data``, which the embedding lookup and the reference read; a stack has none.
     """
 
     data: Array
@@ -88,7 +93,7 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         """Bytes held: 1 (int8) or 2 (bfloat16) per element, plus 4 per row scale."""
         per_element = 1 if self.kind == "int8" else 2
-        return math.prod(self.shape) * per_element + (0 if self.scale is None else 4 * self.shape[0])
+        return math.prod(self.shape) * per_element + (0 if self.scale is None else 4 * math.prod(self.shape[:-1]))
 
     def __array_namespace__(self, api_version: str | None = None) -> Namespace:
         """The storage's array namespace, so ``namespace(...)`` checks see the weight's backend."""
@@ -99,10 +104,11 @@ class QuantizedWeight:
 
 
 def _quantize_int8(w: Array, *, xp: Namespace) -> QuantizedWeight:
-    absmax = xp.max(xp.abs(w), axis=1)  # [out]
+    """``w [..., out, in]`` as int8 with one scale per row (of each matrix in a stack)."""
+    absmax = xp.max(xp.abs(w), axis=-1)  # [..., out]
     scale = xp.clip(absmax / _INT8_MAX, _SMALLEST_SCALE, _LARGEST_SCALE)  # never 0, never 127·scale = inf
     scale = xp.where(absmax > 0, scale, xp.full_like(absmax, 1 / _INT8_MAX))  # all-zero rows: scale 1/127
-    q = xp.clip(xp.round(w / scale[:, None]), -_INT8_MAX, _INT8_MAX)  # [out, in]
+    q = xp.clip(xp.round(w / scale[..., None]), -_INT8_MAX, _INT8_MAX)  # [..., out, in]
     return QuantizedWeight(xp.astype(q, xp.int8), scale, "int8", w.dtype)
 
 
@@ -110,7 +116,7 @@ def _quantize_bfloat16(w: Array, *, xp: Namespace) -> QuantizedWeight:
     backend = array_backend(w)
     if backend in NATIVE_BFLOAT16:
         return QuantizedWeight(xp.astype(w, load(backend).dtype("bfloat16")), None, "bfloat16", w.dtype)
-    host = load("numpy").bfloat16_bits(load(backend).to_numpy(w))  # uint16 [out, in]
+    host = load("numpy").bfloat16_bits(load(backend).to_numpy(w))  # uint16 [..., out, in]
     return QuantizedWeight(to_backend(host, backend, device=device(w)), None, "bfloat16", w.dtype)
 
 
@@ -120,8 +126,9 @@ def quantize(params: dict[str, Array], kind: str, *, names: Collection[str] | No
     Args:
         params: a float32 parameter dict (core names), e.g. from :func:`portable_ssm.init_params`
             or a trained model (detached: quantized weights carry no gradient).
-        names: the keys to convert (each a float32 matrix ``[out, in]``); None: the Mamba-2
-            model's, every key whose last two parts are one of :data:`QUANTIZED_LEAVES`.
+        names: the keys to convert (each a float32 matrix ``[out, in]``, or a stack ``[E, out,
+            in]`` of them such as a MoE block's experts: int8 scales per row of each); None: the
+            Mamba-2 model's, every key whose last two parts are one of :data:`QUANTIZED_LEAVES`.
         kind: ``"int8"`` (per-output-channel scales), ``"bfloat16"``, or ``"float32"`` (a plain
             copy of the dict, nothing converted).
 
@@ -133,7 +140,8 @@ def quantize(params: dict[str, Array], kind: str, *, names: Collection[str] | No
 
     Raises:
         TypeError: ``params`` not a dict of str -> arrays, ``kind`` not a str, a weight to convert
-            that is not a float32 matrix or is already a :class:`QuantizedWeight` (naming the key).
+            that is not a float32 matrix or stack or is already a :class:`QuantizedWeight` (naming
+            the key).
         ValueError: an unknown ``kind``; a weight with inf or NaN (naming the key and the row: its
             int8 scale would be NaN or infinite and poison the row); for ``"bfloat16"`` a magnitude
             of :data:`BFLOAT16_OVERFLOW` or more, which would round to infinity.
@@ -153,7 +161,7 @@ def quantize(params: dict[str, Array], kind: str, *, names: Collection[str] | No
             continue
         xp = namespace(**{f"params[{name!r}]": value})
         weight = convert(_checked_weight(name, value, kind), xp=xp)
-        pack = fast_op(xp, "pack_quantized")
+        pack = fast_op(xp, "pack_quantized") if weight.ndim == 2 else None  # the fast matmuls take matrices
         out[name] = weight if pack is None else pack(weight)
     return out
 
@@ -171,31 +179,34 @@ def _check_params(params: Any) -> None:
                 raise TypeError(f"params[{name!r}]: expected an array, got None")
 
 
-def _first_row(mask: Array, *, xp: Namespace) -> int:
-    """The index of the first true row of a boolean ``[out, in]`` mask (one that has a true)."""
-    rows = xp.any(mask, axis=1)  # [out]
-    return int(xp.argmax(xp.astype(rows, xp.int32)))
+def _first_row(mask: Array, *, xp: Namespace) -> str:
+    """The first row of a boolean ``[..., out, in]`` mask that holds a true, as ``"row r"`` (a
+    matrix) or ``"expert e row r"`` (a stack)."""
+    rows = xp.reshape(xp.any(mask, axis=-1), (-1,))  # [..., out] -> [E·out]
+    first = int(xp.argmax(xp.astype(rows, xp.int32)))
+    return f"row {first}" if mask.ndim == 2 else f"expert {first // mask.shape[-2]} row {first % mask.shape[-2]}"
 
 
 def _checked_weight(name: str, w: Any, kind: str) -> Array:
-    """``w`` when it is a finite float32 matrix that ``kind`` can hold; TypeError / ValueError naming
+    """``w`` when it is a finite float32 matrix (or stack) that ``kind`` can hold; TypeError / ValueError naming
     the key (and the first bad row) otherwise: a non-finite weight would make its row's int8 scale
     NaN or infinite and poison the whole row, and bfloat16 rounds magnitudes from
     :data:`BFLOAT16_OVERFLOW` up to infinity."""
     if isinstance(w, QuantizedWeight):
         raise TypeError(f"params[{name!r}]: already quantized ({w.kind}); quantize float32 params")
     xp = namespace(**{f"params[{name!r}]": w})
-    if w.dtype != xp.float32 or w.ndim != 2:
+    if w.dtype != xp.float32 or w.ndim not in (2, 3):
         raise TypeError(f"params[{name!r}]: expected a float32 [out, in] matrix, got {dtype_name(w.dtype)} "
-                        f"of shape {tuple(w.shape)} (portable_ssm.cast_params(params, 'float32') first)")
-    finite = xp.isfinite(w)  # [out, in]
+                        f"of shape {tuple(w.shape)} (portable_ssm.cast_params(params, 'float32') first; a stack "
+                        f"[E, out, in] of matrices is taken too)")
+    finite = xp.isfinite(w)  # [..., out, in]
     if not bool(xp.all(finite)):
-        raise ValueError(f"params[{name!r}]: expected finite values, got inf or nan in row "
+        raise ValueError(f"params[{name!r}]: expected finite values, got inf or nan in "
                          f"{_first_row(xp.logical_not(finite), xp=xp)}")
     if kind == "bfloat16":
-        beyond = xp.abs(w) >= BFLOAT16_OVERFLOW  # [out, in]
+        beyond = xp.abs(w) >= BFLOAT16_OVERFLOW  # [..., out, in]
         if bool(xp.any(beyond)):
-            raise ValueError(f"params[{name!r}]: row {_first_row(beyond, xp=xp)} holds a magnitude of at least "
+            raise ValueError(f"params[{name!r}]: {_first_row(beyond, xp=xp)} holds a magnitude of at least "
                              f"{BFLOAT16_OVERFLOW:.7g}, which bfloat16 rounds to infinity; use 'int8' or "
                              f"scale the weight")
     return w
@@ -228,14 +239,15 @@ def _widen_rows(w: QuantizedWeight, data: Array, scale: Array | None, *, xp: Nam
 
 
 def dequantize(w: QuantizedWeight, *, xp: Namespace) -> Array:
-    """The float32 ``[out, in]`` matrix ``w`` stores (``q · scale`` or the widened bfloat16)."""
+    """The float32 ``[..., out, in]`` weight ``w`` stores (``q · scale`` or the widened bfloat16)."""
     return _widen_rows(w, w.data, w.scale, xp=xp)
 
 
 def take_rows(w: QuantizedWeight, ids: Array, *, xp: Namespace) -> Array:
-    """Rows ``ids [k]`` of the matrix ``w`` stores, float32 ``[k, in]``: the embedding lookup,
-    widening only the rows it reads."""
-    scale = None if w.scale is None else xp.take(w.scale, ids, axis=0)  # [k]
+    """Entries ``ids [k]`` along the first axis of the weight ``w`` stores, float32, widening only
+    those: rows ``[k, in]`` of a matrix (the embedding lookup), or matrices ``[k, out, in]`` of a
+    stack (the MoE block's chosen experts)."""
+    scale = None if w.scale is None else xp.take(w.scale, ids, axis=0)  # [k] or [k, out]
     return _widen_rows(w, xp.take(w.data, ids, axis=0), scale, xp=xp)
 
 

@@ -5,6 +5,7 @@ transformers' logits (float32, rel err < 1e-4), greedy tokens, cached steps and 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -135,6 +136,9 @@ class _Numpy:
     def asarray_from(self, host, dtype):
         return np.asarray(host, dtype=dtype)
 
+    def numpy(self, a):
+        return np.asarray(a)
+
 
 NUMPY = _Numpy()
 
@@ -159,8 +163,9 @@ def test_left_padded_rows_give_what_each_row_gives_alone(xp, case):
 def test_greedy_generation_is_token_equal_to_transformers_for_ragged_rows(xp, case):
     lm = _load(xp, case)
     ids, mask = _ragged(xp, case)
-    got = xp.numpy(lm.generate(ids, max_new_tokens=NEW, attention_mask=mask))
-    np.testing.assert_array_equal(got, np.stack(case["tokens"]))
+    got = xp.numpy(lm.generate(ids, max_new_tokens=NEW, attention_mask=mask))  # [b, l + new]
+    np.testing.assert_array_equal(got[:, :PROMPT], xp.numpy(ids))
+    np.testing.assert_array_equal(got[:, PROMPT:], np.stack(case["tokens"]))
 
 
 def test_generation_continues_from_a_returned_state(xp, case):
@@ -236,20 +241,99 @@ def test_cli_info_names_the_family_and_the_gated_norm_the_loader_applies(case, c
     assert "Mamba mixer:" in shown and "per group" in shown
 
 
-#: Core parameter -> transformers' name, per family, for the gradient check (one of each block kind).
-GRADIENT_NAMES = {
-    "granite_moe_rope": {"embedding.weight": "model.embed_tokens.weight",
-                         "layers.0.mixer.in_proj.weight": "model.layers.0.mamba.in_proj.weight",
-                         "layers.1.mixer.q_proj.weight": "model.layers.1.self_attn.q_proj.weight",
-                         "layers.2.ffn.router.weight": "model.layers.2.block_sparse_moe.router.weight"},
-    "bamba": {"layers.0.mixer.A_log": "model.layers.0.mamba.A_log",
-              "layers.1.mixer.k_proj.weight": "model.layers.1.self_attn.k_proj.weight",
-              "layers.2.ffn.down.weight": "model.layers.2.feed_forward.down_proj.weight"},
+Grads = dict[str, np.ndarray]
+#: How transformers' gradient of one of its parameters follows from the core's gradients (``g``,
+#: by core name) and transformers' weights (``w``, by its name).
+Predict = Callable[[Grads, Grads], np.ndarray]
+
+
+def _same(core: str) -> Predict:
+    """A parameter the loader copies unchanged: the gradients are equal."""
+    return lambda g, w: g[core]
+
+
+def _scaled(core: str, factor: float | np.ndarray, rows: slice = slice(None)) -> Predict:
+    """A parameter the loader folds a multiplier into (``W_core[rows] = factor · W``, the factor a
+    scalar or one per row): by the chain rule ``dL/dW = factor · dL/dW_core[rows]``."""
+    return lambda g, w: np.asarray(factor, np.float32).reshape(-1, 1) * g[core][rows]
+
+
+def _summed(*cores: str) -> Predict:
+    """A weight shared by several layers, copied into each by the loader: its gradient is the sum
+    of the copies' gradients."""
+    return lambda g, w: sum(g[c] for c in cores)
+
+
+def _lora(core: str, adapter: str) -> dict[str, Predict]:
+    """A LoRA adapter (transformers' ``<adapter>.0`` down ``[r, in]``, ``<adapter>.1`` up
+    ``[out, r]``) folded into one layer's copy, ``W_core = W + up · down``: with ``G = dL/dW_core``,
+    ``dL/d(down) = upᵀ · G`` and ``dL/d(up) = G · downᵀ``."""
+    down, up = f"{adapter}.0.weight", f"{adapter}.1.weight"
+    return {down: lambda g, w: w[up].T @ g[core], up: lambda g, w: g[core] @ w[down].T}
+
+
+_FALCON = _falcon_h1()[2]
+_F = _FALCON["intermediate_size"]  # the core's ffn.up packs [gate; up], 2 x _F rows
+_GN = _FALCON["mamba_n_groups"] * _FALCON["mamba_d_state"]
+_MUP = np.repeat(np.asarray(_FALCON["ssm_multipliers"], np.float32),  # in_proj rows [z, x, B, C, dt]
+                 [_FALCON["mamba_d_ssm"]] * 2 + [_GN] * 2 + [_FALCON["mamba_n_heads"]]) * _FALCON["ssm_in_multiplier"]
+_Z1, _Z3 = "model.layers.1.shared_transformer.", "model.layers.3.shared_transformer."
+#: Per family, transformers' parameter -> its gradient predicted from the core's (one of each block kind).
+GRADIENTS: dict[str, dict[str, Predict]] = {
+    "granite_moe_rope": {"model.embed_tokens.weight": _same("embedding.weight"),
+                         "model.layers.0.mamba.in_proj.weight": _same("layers.0.mixer.in_proj.weight"),
+                         "model.layers.1.self_attn.q_proj.weight": _same("layers.1.mixer.q_proj.weight"),
+                         "model.layers.2.block_sparse_moe.router.weight": _same("layers.2.ffn.router.weight")},
+    "granite_dense_nope": {"model.layers.0.mamba.out_proj.weight": _same("layers.0.mixer.out_proj.weight"),
+                           "model.layers.1.self_attn.v_proj.weight": _same("layers.1.mixer.v_proj.weight"),
+                           "model.layers.2.shared_mlp.input_linear.weight": _same("layers.2.ffn.up.weight"),
+                           "model.layers.1.shared_mlp.output_linear.weight": _same("layers.1.ffn.down.weight")},
+    "bamba": {"model.layers.0.mamba.A_log": _same("layers.0.mixer.A_log"),
+              "model.layers.1.self_attn.k_proj.weight": _same("layers.1.mixer.k_proj.weight"),
+              "model.layers.2.feed_forward.down_proj.weight": _same("layers.2.ffn.down.weight")},
+    "nemotron_h": {"model.layers.0.mixer.in_proj.weight": _same("layers.0.mixer.in_proj.weight"),
+                   "model.layers.4.mixer.dt_bias": _same("layers.4.mixer.dt_bias"),
+                   "model.layers.2.mixer.q_proj.weight": _same("layers.2.mixer.q_proj.weight"),
+                   "model.layers.3.mixer.down_proj.weight": _same("layers.3.ffn.down.weight"),
+                   "model.layers.1.mixer.gate.weight": _same("layers.1.ffn.router.weight"),
+                   "model.layers.1.mixer.experts.up_proj": _same("layers.1.ffn.experts.up.weight"),
+                   "model.layers.1.mixer.experts.down_proj": _same("layers.1.ffn.experts.down.weight"),
+                   "model.layers.1.mixer.shared_experts.up_proj.weight": _same("layers.1.ffn.shared.up.weight")},
+    "falcon_h1": {"model.layers.0.mamba.in_proj.weight": _scaled("layers.0.mixer.mamba.in_proj.weight", _MUP),
+                  "model.layers.1.mamba.out_proj.weight": _scaled("layers.1.mixer.mamba.out_proj.weight",
+                                                                  _FALCON["ssm_out_multiplier"]),
+                  "model.layers.0.self_attn.k_proj.weight": _scaled(
+                      "layers.0.mixer.attention.k_proj.weight",
+                      _FALCON["attention_in_multiplier"] * _FALCON["key_multiplier"]),
+                  "model.layers.1.self_attn.o_proj.weight": _scaled("layers.1.mixer.attention.o_proj.weight",
+                                                                    _FALCON["attention_out_multiplier"]),
+                  "model.layers.0.feed_forward.gate_proj.weight": _scaled("layers.0.ffn.up.weight",
+                                                                          _FALCON["mlp_multipliers"][0], slice(_F)),
+                  "model.layers.0.feed_forward.up_proj.weight": _scaled("layers.0.ffn.up.weight", 1.0, slice(_F, None)),
+                  "model.layers.1.feed_forward.down_proj.weight": _scaled("layers.1.ffn.down.weight",
+                                                                          _FALCON["mlp_multipliers"][1])},
+    # hybrid layers 1, 3, 4: block 0 is stored under layer 1 and used by layers 1 and 4 (adapters 0
+    # and 2), block 1 under layer 3 (adapter 1)
+    "zamba2": {"model.layers.1.mamba_decoder.mamba.in_proj.weight": _same("layers.1.mixer.in_proj.weight"),
+               "model.layers.4.linear.weight": _same("layers.4.shared.linear.weight"),
+               _Z1 + "self_attn.q_proj.weight": _summed("layers.1.shared.attention.q_proj.weight",
+                                                        "layers.4.shared.attention.q_proj.weight"),
+               _Z1 + "self_attn.o_proj.weight": _summed("layers.1.shared.attention.o_proj.weight",
+                                                        "layers.4.shared.attention.o_proj.weight"),
+               _Z3 + "feed_forward.down_proj.weight": _same("layers.3.shared.ffn.down.weight"),
+               **_lora("layers.4.shared.attention.k_proj.weight", _Z1 + "self_attn.linear_k_adapter_list.2"),
+               **_lora("layers.3.shared.ffn.up.weight", _Z3 + "feed_forward.gate_up_proj_adapter_list.1")},
 }
 
 
-@pytest.mark.parametrize("family", sorted(GRADIENT_NAMES))
+@pytest.mark.parametrize("family", sorted(GRADIENTS))
 def test_torch_autograd_gradients_match_transformers(family, tmp_path):
+    """One cross-entropy step through transformers' model and the loaded one: each listed
+    transformers gradient equals the one its core parameters imply. Where the loader maps a
+    tensor 1:1 the gradients are equal; where it folds a muP multiplier in (Falcon-H1),
+    transformers' gradient is the multiplier times the core's; a Zamba2 shared block copied into
+    several hybrid layers has the sum of the copies' gradients; a LoRA factor folded into one
+    layer's copy (``W + up · down``) has ``upᵀ · G`` or ``G · downᵀ`` of that copy's gradient ``G``."""
     config_cls, model_cls, kwargs = FAMILIES[family]()
     torch.manual_seed(0)
     model = model_cls(config_cls(**kwargs)).train()
@@ -262,9 +346,13 @@ def test_torch_autograd_gradients_match_transformers(family, tmp_path):
     logits = lm.logits(ids)
     torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1)).backward()
     hf = dict(model.named_parameters())
-    for core, name in GRADIENT_NAMES[family].items():
-        want, got = hf[name].grad.numpy(), lm.params[core].grad.numpy()
-        assert _rel(got, want) < 1e-4, core
+    core = {name: p.grad.numpy() for name, p in lm.params.items() if p.grad is not None}
+    weights = {name: p.detach().numpy() for name, p in hf.items()}
+    for name, predict in GRADIENTS[family].items():
+        want = hf[name].grad.numpy()
+        got = predict(core, weights)
+        assert got.shape == want.shape and np.abs(want).max() > 0, name
+        assert _rel(got, want) < 1e-4, name
 
 
 def test_one_token_step_traces_under_jax_jit_with_static_shapes(case):
@@ -310,7 +398,8 @@ def test_rows_stop_at_eos_then_pad_and_the_stream_ends_when_all_did(case):
     ids, mask = _ragged(NUMPY, case)
     got = lm.generate(ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
     rows = [_cut_at(t, eos, 0) for t in case["tokens"]]
-    assert got.shape == (2, max(end for _, end in rows))
-    np.testing.assert_array_equal(got, np.stack([r for r, _ in rows])[:, :got.shape[1]])
+    assert got.shape == (2, PROMPT + max(end for _, end in rows))
+    np.testing.assert_array_equal(got[:, :PROMPT], ids)
+    np.testing.assert_array_equal(got[:, PROMPT:], np.stack([r for r, _ in rows])[:, :got.shape[1] - PROMPT])
     tokens = [t for t, _ in lm.stream(ids, max_new_tokens=NEW, attention_mask=mask, eos_token_id=None)]
     np.testing.assert_array_equal(np.stack(tokens, axis=1), np.stack(case["tokens"]))

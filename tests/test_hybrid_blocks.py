@@ -8,6 +8,7 @@ import pytest
 from portable_ssm.blocks import AttentionSpec, MLPSpec, MoESpec, attention_ref, empty_kv_cache, mlp, moe, moe_dense_ref
 from portable_ssm.blocks.attention import advance, attention, empty_positions
 from portable_ssm.blocks.moe import moe_gathered
+from portable_ssm.quantized import QuantizedWeight, dequantize, quantize
 
 
 def _np_rope(x: np.ndarray, r: int, theta: float) -> np.ndarray:
@@ -149,22 +150,48 @@ MOES = {"granite_softmax": MoESpec(6, 2, "softmax", MLPSpec("silu", True)),
         "nemotron_sigmoid_bias": MoESpec(6, 3, "sigmoid", MLPSpec("relu2", False), normalize=True, scale=2.5)}
 
 
-@pytest.mark.parametrize("kind", sorted(MOES))
-def test_moe_dense_and_gathered_match_numpy(xp, kind):
-    spec, rng = MOES[kind], np.random.default_rng(4)
-    f = 5
+def _moe_case(spec: MoESpec) -> tuple[dict, np.ndarray]:
+    """Random host weights for ``spec`` (6 experts, d 8, f 5) and tokens ``x [5, 8]``."""
+    rng, f = np.random.default_rng(4), 5
     host = {"router.weight": rng.normal(size=(6, 8)),
             "experts.up.weight": rng.normal(size=(6, (2 if spec.mlp.gated else 1) * f, 8)),
             "experts.down.weight": rng.normal(size=(6, 8, f))}
     if spec.router == "sigmoid":
         host["router.bias"] = rng.normal(size=(6,))
-    x = rng.normal(size=(5, 8))
+    return host, rng.normal(size=(5, 8))
+
+
+@pytest.mark.parametrize("kind", sorted(MOES))
+def test_moe_dense_and_gathered_match_numpy(xp, kind):
+    spec = MOES[kind]
+    host, x = _moe_case(spec)
     want = _np_moe(x, host, spec)
     xa, p = xp.asarray_from(x, "float64"), _on(xp, host)
     for fn in (moe_dense_ref, moe_gathered, moe):
         got = fn(xa, p, spec, xp=xp.namespace)
         assert got.dtype == xp.float64 and tuple(got.shape) == (5, 8)
         np.testing.assert_allclose(xp.numpy(got), want, rtol=1e-10, atol=1e-10, err_msg=fn.__name__)
+
+
+@pytest.mark.parametrize("storage", ["int8", "bfloat16"])
+@pytest.mark.parametrize("kind", sorted(MOES))
+def test_moe_reads_quantized_experts_as_their_dequantized_weights(xp, kind, storage):
+    """Experts stored as QuantizedWeight stacks ``[E, out, in]``: the dense path (every expert
+    dequantized) and the gathered one (the chosen experts' storage and scales taken, only those
+    widened) give the float32 experts' result on the dequantized weights."""
+    spec = MOES[kind]
+    host, x = _moe_case(spec)
+    experts = ["experts.up.weight", "experts.down.weight"]
+    p = quantize(_on(xp, host, "float32"), storage, names=experts)
+    assert all(isinstance(p[k], QuantizedWeight) and p[k].ndim == 3 for k in experts)
+    widened = {k: xp.numpy(dequantize(v, xp=xp.namespace)) if isinstance(v, QuantizedWeight) else xp.numpy(v)
+               for k, v in p.items()}
+    want = _np_moe(x, widened, spec)
+    xa = xp.asarray_from(x, "float32")
+    for fn in (moe_dense_ref, moe_gathered, moe):
+        got = fn(xa, p, spec, xp=xp.namespace)
+        assert got.dtype == xp.float32 and tuple(got.shape) == (5, 8)
+        np.testing.assert_allclose(xp.numpy(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=fn.__name__)
 
 
 def test_specs_refuse_bad_fields_by_name():

@@ -25,9 +25,9 @@ def test_cli_generate_on_a_hybrid_folder_prints_the_models_tokens(case, capsys, 
     assert main(argv) == 0
     weights = flags[1] if flags[:1] == ["--weights"] else "float32"
     lm = portable_ssm.load_pretrained(case["folder"], weights=weights)
-    want = np.asarray(lm.generate([[1, 2, 3]], 4, eos_token_id=None, **options))[0]
+    want = np.asarray(lm.generate([[1, 2, 3]], 4, eos_token_id=None, **options))[0]  # the prompt, then 4 new
     out = capsys.readouterr()
-    assert out.out == " ".join(str(i) for i in [1, 2, 3, *want]) + "\n"
+    assert out.out == " ".join(str(i) for i in want) + "\n" and len(want) == 7
     assert "4 tokens" in out.err and "numpy float32" in out.err
 
 

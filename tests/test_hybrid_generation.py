@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 from portable_ssm.backends import load
-from test_families import FAMILIES
+from test_families import FAMILIES, NUMPY
 
 import portable_ssm
 from portable_ssm.generation import next_token
@@ -43,6 +43,13 @@ def _hf(granite, **options) -> np.ndarray:
     return out[:, PROMPT:].numpy()
 
 
+def _new(xp, out, ids) -> np.ndarray:
+    """The new tokens of ``generate``'s ``[b, l + new]`` result, once its first l columns are ``ids``."""
+    out, ids = xp.numpy(out), xp.numpy(ids)
+    np.testing.assert_array_equal(out[:, :ids.shape[1]], ids)
+    return out[:, ids.shape[1]:]
+
+
 def _load(xp, granite):
     return portable_ssm.load_pretrained(granite["folder"], backend=xp.name, device=xp.device)
 
@@ -63,7 +70,7 @@ def test_greedy_options_are_token_equal_to_transformers(xp, granite, options):
     if "eos_token_id" in options:  # eos ids the unconstrained run emits early, so min_new_tokens matters
         options = dict(options, eos_token_id=[int(plain[0, 1]), int(plain[1, 0])], pad_token_id=0)
     want = _hf(granite, **options)
-    got = xp.numpy(lm.generate(ids, **options, max_new_tokens=NEW))
+    got = _new(xp, lm.generate(ids, **options, max_new_tokens=NEW), ids)
     np.testing.assert_array_equal(got, want[:, :got.shape[1]])
     assert got.shape[1] == want.shape[1] or (want[:, got.shape[1]:] == options.get("pad_token_id")).all()
 
@@ -73,16 +80,16 @@ def test_eos_list_stops_rows_and_pads_as_transformers(xp, granite):
     plain = _hf(granite)
     eos = [int(plain[0, 2]), int(plain[1, 1])]
     want = _hf(granite, eos_token_id=eos, pad_token_id=0)
-    got = xp.numpy(lm.generate(ids, NEW, eos_token_id=eos, pad_token_id=0))
+    got = _new(xp, lm.generate(ids, NEW, eos_token_id=eos, pad_token_id=0), ids)
     np.testing.assert_array_equal(got, want[:, :got.shape[1]])
     assert (want[:, got.shape[1]:] == 0).all()
 
 
 def test_a_stop_sequence_ends_the_row_after_it_then_pads(xp, granite):
     lm, ids = _model_and_ids(xp, granite)
-    plain = xp.numpy(lm.generate(ids, NEW, eos_token_id=None))
+    plain = _new(xp, lm.generate(ids, NEW, eos_token_id=None), ids)
     stop = [int(plain[0, 1]), int(plain[0, 2])]
-    got = xp.numpy(lm.generate(ids, NEW, eos_token_id=None, stop=[stop], pad_token_id=0))
+    got = _new(xp, lm.generate(ids, NEW, eos_token_id=None, stop=[stop], pad_token_id=0), ids)
     np.testing.assert_array_equal(got[0, :3], plain[0, :3])
     assert (got[0, 3:] == 0).all()
     row1 = plain[1].tolist()
@@ -93,7 +100,7 @@ def test_a_stop_sequence_ends_the_row_after_it_then_pads(xp, granite):
 def test_seeded_sampling_draws_what_the_shared_sampler_draws(xp, granite):
     lm, ids = _model_and_ids(xp, granite)
     options = dict(temperature=0.8, top_k=20, top_p=0.9)
-    got = xp.numpy(lm.generate(ids, NEW, do_sample=True, seed=5, eos_token_id=None, **options))
+    got = _new(xp, lm.generate(ids, NEW, do_sample=True, seed=5, eos_token_id=None, **options), ids)
     rng, seq = load("numpy").rng(5), ids
     want = []
     for _ in range(NEW):  # the whole sequence recomputed each step, the token from the shared sampler
@@ -101,7 +108,7 @@ def test_seeded_sampling_draws_what_the_shared_sampler_draws(xp, granite):
         want.append(xp.numpy(token))
         seq = xp.concat([seq, xp.astype(token, seq.dtype)[:, None]], axis=1)
     np.testing.assert_array_equal(got, np.stack(want, axis=1))
-    again = xp.numpy(lm.generate(ids, NEW, do_sample=True, seed=5, eos_token_id=None, **options))
+    again = _new(xp, lm.generate(ids, NEW, do_sample=True, seed=5, eos_token_id=None, **options), ids)
     np.testing.assert_array_equal(got, again)
 
 
@@ -109,12 +116,12 @@ def test_list_prompts_are_left_padded_and_give_each_row_alone(xp, granite):
     lm, ids = _model_and_ids(xp, granite)
     host = granite["ids"].numpy()
     prompts = [host[0].tolist(), host[1, 3:].tolist()]
-    got = xp.numpy(lm.generate(prompts, NEW, eos_token_id=None))
-    alone = xp.numpy(lm.generate([prompts[1]], NEW, eos_token_id=None))
-    np.testing.assert_array_equal(got[1], alone[0])
+    got = xp.numpy(lm.generate(prompts, NEW, eos_token_id=None))  # [2, 6 + NEW], row 1 left-padded with 0
+    alone = xp.numpy(lm.generate([prompts[1]], NEW, eos_token_id=None))  # [1, 3 + NEW]
+    np.testing.assert_array_equal(got[1], [0, 0, 0, *alone[0]])
     np.testing.assert_array_equal(got[0], xp.numpy(lm.generate(ids[0:1, :], NEW, eos_token_id=None))[0])
     streamed = np.stack([xp.numpy(t) for t, _ in lm.stream(prompts, NEW, eos_token_id=None)], axis=1)
-    np.testing.assert_array_equal(streamed, got)
+    np.testing.assert_array_equal(streamed, got[:, PROMPT:])
 
 
 @pytest.mark.parametrize("options, error, named", [
@@ -155,9 +162,45 @@ def test_generation_config_json_sets_the_defaults_and_is_checked(granite, tmp_pa
     (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "repetition_penalty": 1.7}))
     lm = portable_ssm.load_pretrained(str(folder))
     assert lm.generation_config == {"max_new_tokens": 3, "repetition_penalty": 1.7}
-    got = lm.generate(granite["ids"].numpy(), eos_token_id=None)
+    got = _new(NUMPY, lm.generate(granite["ids"].numpy(), eos_token_id=None), granite["ids"].numpy())
     np.testing.assert_array_equal(got, _hf(granite, repetition_penalty=1.7)[:, :3])
-    assert lm.generate(granite["ids"].numpy(), 5, eos_token_id=None).shape == (2, 5)  # explicit wins
+    assert lm.generate(granite["ids"].numpy(), 5, eos_token_id=None).shape == (2, PROMPT + 5)  # explicit wins
     (folder / "generation_config.json").write_text(json.dumps({"top_k": -2}))
     with pytest.raises(CheckpointError, match="generation_config.json.*top_k"):
         portable_ssm.load_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def mamba2_folder(tmp_path_factory):
+    """A saved tiny pure Mamba-2 model (transformers' Mamba2ForCausalLM) with Granite's vocabulary."""
+    torch.manual_seed(0)
+    cfg = transformers.Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, head_dim=8,
+                                    num_heads=8, n_groups=1, chunk_size=8, eos_token_id=None, bos_token_id=None,
+                                    pad_token_id=None)
+    folder = tmp_path_factory.mktemp("mamba2")
+    transformers.Mamba2ForCausalLM(cfg).save_pretrained(folder)
+    return str(folder)
+
+
+def test_mamba2_and_hybrid_generate_return_the_prompt_then_the_new_tokens_alike(xp, granite, mamba2_folder):
+    """One contract for both model kinds (and transformers'): ``[b, l + new]``, the prompt (lists
+    left-padded with 0) then the new tokens, a row that stopped at eos padded after it; with
+    ``return_state`` the same ids beside a state; none asked, the prompt alone. ``eos_token_id`` is
+    each model's first greedy token of row 0, so that row stops after one token."""
+    prompts = [[5, 9, 2, 7], [3, 8]]
+    padded = np.asarray([[5, 9, 2, 7], [0, 0, 3, 8]])
+    for folder in (mamba2_folder, granite["folder"]):
+        lm = portable_ssm.load_pretrained(folder, backend=xp.name, device=xp.device)
+        out = xp.numpy(lm.generate(prompts, NEW, eos_token_id=None))
+        assert out.shape == (2, 4 + NEW), folder
+        np.testing.assert_array_equal(out[:, :4], padded)
+        ids = xp.asarray_from(padded, "int64")
+        mask = xp.asarray_from(padded > 0, "int64")
+        same, state = lm.generate(ids, NEW, attention_mask=mask, eos_token_id=None, return_state=True)
+        assert same.dtype == ids.dtype and state is not None
+        np.testing.assert_array_equal(xp.numpy(same), out)
+        eos = int(out[0, 4])
+        stopped = xp.numpy(lm.generate(prompts, NEW, eos_token_id=eos, pad_token_id=0))
+        assert 5 <= stopped.shape[1] <= 4 + NEW
+        np.testing.assert_array_equal(stopped[0], [*out[0, :5], *[0] * (stopped.shape[1] - 5)])
+        np.testing.assert_array_equal(xp.numpy(lm.generate(prompts, 0)), padded)  # no new tokens: the prompt

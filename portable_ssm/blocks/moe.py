@@ -2,7 +2,9 @@
 
 Parameters (names relative to the block): ``router.weight [E, d]`` (``router.bias [E]``: a
 correction added to the scores for the choice only, Nemotron's ``e_score_correction_bias``),
-``experts.up.weight [E, 2·f or f, d]``, ``experts.down.weight [E, d, f]``.
+``experts.up.weight [E, 2·f or f, d]``, ``experts.down.weight [E, d, f]`` (float arrays, or
+:class:`~portable_ssm.quantized.QuantizedWeight` stacks: int8 with a scale per row of each expert,
+or bfloat16; the dense path dequantizes them, the gathered one widens only the experts it takes).
 
 Routing: ``softmax`` (Granite) softmaxes the k chosen logits; ``sigmoid`` (Nemotron, DeepSeek-V3)
 chooses by ``sigmoid(logit) + bias`` and weighs by the unbiased sigmoid, optionally renormalised,
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from .._array import Array, Namespace, compute_dtype, device
 from ..mixer import _linear
+from ..quantized import QuantizedWeight, dequantize, take_rows
 from .mlp import MLPSpec, hidden
 
 
@@ -68,6 +71,17 @@ def _flat(x: Array, *, xp: Namespace) -> Array:
     return xp.reshape(x, (-1, x.shape[-1]))  # [..., d] -> [T, d]
 
 
+def _all_experts(w: Array | QuantizedWeight, *, xp: Namespace) -> Array:
+    """Every expert's weight ``[E, out, in]`` as an array (a quantized stack dequantized)."""
+    return dequantize(w, xp=xp) if isinstance(w, QuantizedWeight) else w
+
+
+def _chosen_experts(w: Array | QuantizedWeight, ids: Array, *, xp: Namespace) -> Array:
+    """The experts ``ids [n]`` of ``w [E, out, in]``: ``[n, out, in]`` (of a quantized stack, the
+    chosen experts' storage and scales taken, then only those widened)."""
+    return take_rows(w, ids, xp=xp) if isinstance(w, QuantizedWeight) else xp.take(w, ids, axis=0)
+
+
 def moe_dense_ref(x: Array, p: dict[str, Array], spec: MoESpec, *, xp: Namespace) -> Array:
     """Every expert on every token, summed with the routing weights as a dense ``[T, E]`` gate:
     ``x [..., d] -> [..., d]``."""
@@ -76,9 +90,10 @@ def moe_dense_ref(x: Array, p: dict[str, Array], spec: MoESpec, *, xp: Namespace
     experts = xp.arange(spec.experts, dtype=xp.int64, device=device(x))
     onehot = xp.astype(index[:, :, None] == experts[None, None, :], weight.dtype)  # [T, k, E]
     gate = xp.sum(onehot * weight[:, :, None], axis=1)  # [T, E]
-    up = xp.matmul(flat[None, :, :], xp.matrix_transpose(p["experts.up.weight"]))  # [E, T, 2f or f]
+    up_w, down_w = _all_experts(p["experts.up.weight"], xp=xp), _all_experts(p["experts.down.weight"], xp=xp)
+    up = xp.matmul(flat[None, :, :], xp.matrix_transpose(up_w))  # [E, T, 2f or f]
     h = xp.astype(hidden(up, spec.mlp, xp=xp), x.dtype)  # [E, T, f]
-    out = xp.astype(xp.matmul(h, xp.matrix_transpose(p["experts.down.weight"])), gate.dtype)  # [E, T, d]
+    out = xp.astype(xp.matmul(h, xp.matrix_transpose(down_w)), gate.dtype)  # [E, T, d]
     y = xp.sum(out * xp.permute_dims(gate, (1, 0))[:, :, None], axis=0)  # [T, d]
     return xp.reshape(xp.astype(y, x.dtype), x.shape)  # [T, d] -> [..., d]
 
@@ -89,8 +104,8 @@ def moe_gathered(x: Array, p: dict[str, Array], spec: MoESpec, *, xp: Namespace)
     t, d = flat.shape
     index, weight = route(flat, p, spec, xp=xp)
     ids = xp.reshape(index, (-1,))  # [T·k]
-    up_w = xp.take(p["experts.up.weight"], ids, axis=0)  # [T·k, 2f or f, d]
-    down_w = xp.take(p["experts.down.weight"], ids, axis=0)  # [T·k, d, f]
+    up_w = _chosen_experts(p["experts.up.weight"], ids, xp=xp)  # [T·k, 2f or f, d]
+    down_w = _chosen_experts(p["experts.down.weight"], ids, xp=xp)  # [T·k, d, f]
     rows = xp.reshape(xp.broadcast_to(flat[:, None, :], (t, spec.top_k, d)), (t * spec.top_k, 1, d))  # [T·k, 1, d]
     up = xp.matmul(rows, xp.matrix_transpose(up_w))  # [T·k, 1, 2f or f]
     h = xp.astype(hidden(up, spec.mlp, xp=xp), x.dtype)
