@@ -66,8 +66,10 @@ def _attention(raw: Any, d: int) -> AttentionSpec:
                                     ("causal", True, False)):
         require(a.get(key, default), (supported,), f"attn_cfg.{key}")
     heads = a.int("num_heads")
+    if heads <= 0:
+        raise CheckpointError(f"attn_cfg.num_heads: expected a positive int, got {heads}")
     kv = a.int("num_heads_kv") if a.get("num_heads_kv") is not None else heads
-    if heads <= 0 or kv <= 0 or heads % kv:
+    if kv <= 0 or heads % kv:
         raise CheckpointError(f"attn_cfg.num_heads_kv: expected a positive divisor of num_heads = {heads}, got {kv}")
     if a.get("head_dim") is None and d % heads:
         raise CheckpointError(f"attn_cfg.num_heads: d_model = {d} must be a multiple of it without head_dim, got "
@@ -94,7 +96,7 @@ def _attention_layers(raw: Any, n: int) -> set[int]:
     return set(idx)
 
 
-def d_ff(raw: Any) -> int:
+def _d_ff(raw: Any) -> int:
     """GatedMLP's hidden size: ``d_intermediate`` rounded up to a multiple of 128 (0: no MLP)."""
     f = raw.int("d_intermediate", 0)
     if f < 0:
@@ -104,11 +106,12 @@ def d_ff(raw: Any) -> int:
 
 def config(raw: Any) -> tuple[HybridConfig, tuple[str, ...]]:
     """config.json -> ``(HybridConfig, notes)``."""
+    require(raw.get("bidirectional", False), (False,), "bidirectional")  # MambaLMHeadModel's two-way variant
     whole = _whole(raw)
     if whole.d_mlp:
         raise CheckpointError(f"ssm_cfg.d_ssm: only None or d_inner = {whole.d_inner} is supported in a hybrid (no "
                               f"gated MLP beside the SSM), got {whole.ssm_dim}")
-    d, f = whole.d_model, d_ff(raw)
+    d, f = whole.d_model, _d_ff(raw)
     attn = _attention_layers(raw, whole.n_layer)
     mamba = dataclasses.replace(whole, d_model=whole.d_inner, expand=1, n_layer=1, vocab_size=None,
                                 norm_eps=GATED_NORM_EPS)
