@@ -22,11 +22,15 @@ from test_families import (  # noqa: F401 (the imported tests run here on this m
     PROMPT,
     SHORT,
     _rel,
+    test_cli_info_names_the_family_and_the_gated_norm_the_loader_applies,
     test_generation_continues_from_a_returned_state,
     test_greedy_generation_is_token_equal_to_transformers_for_ragged_rows,
+    test_half_precision_weights_compute_in_float32_and_stay_close,
     test_left_padded_rows_give_what_each_row_gives_alone,
     test_logits_match_transformers,
+    test_one_token_step_traces_under_jax_jit_with_static_shapes,
     test_prefill_then_one_token_steps_match_the_whole_sequence,
+    test_rows_stop_at_eos_then_pad_and_the_stream_ends_when_all_did,
 )
 
 import portable_ssm
