@@ -319,21 +319,64 @@ def test_a_config_larger_than_its_weight_files_is_refused_before_reading(mlp_cas
         portable_ssm.load_pretrained(folder)
 
 
+def _pure(mlp_case, folder, **changes):
+    """A pure Mamba-2 state-spaces folder (no attention, no MLP) of the case's Mamba layers 0 and 2."""
+    folder = _copy(mlp_case, folder, n_layer=2, attn_cfg=_DROP, **changes)
+    weights = safetensors_torch.load_file(folder / "model.safetensors")
+    pure = {k: v for k, v in weights.items() if not k.startswith("backbone.layers.")}
+    for new, old in ((0, 0), (1, 2)):
+        pure.update({k.replace(f"layers.{old}.", f"layers.{new}."): v for k, v in weights.items()
+                     if k.startswith(f"backbone.layers.{old}.") and ".mlp." not in k and ".norm2." not in k})
+    safetensors_torch.save_file(pure, folder / "model.safetensors")
+    return folder, pure
+
+
 def test_a_pure_state_spaces_config_still_loads_as_mamba2(mlp_case, tmp_path):
     """No attention layer and no MLP (the keys absent or empty): the pure Mamba-2 model with its
-    whole-model decode kernel, not the hybrid stack. Built from the hybrid's Mamba layers 0 and 2."""
+    whole-model decode kernel, not the hybrid stack."""
     for n, empty in enumerate((dict(attn_layer_idx=_DROP, d_intermediate=_DROP), dict(attn_layer_idx=[],
                                                                                         d_intermediate=0))):
-        folder = _copy(mlp_case, tmp_path / str(n), n_layer=2, attn_cfg=_DROP, **empty)
-        weights = safetensors_torch.load_file(folder / "model.safetensors")
-        pure = {k: v for k, v in weights.items() if not k.startswith("backbone.layers.")}
-        for new, old in ((0, 0), (1, 2)):
-            pure.update({k.replace(f"layers.{old}.", f"layers.{new}."): v for k, v in weights.items()
-                         if k.startswith(f"backbone.layers.{old}.") and ".mlp." not in k and ".norm2." not in k})
-        safetensors_torch.save_file(pure, folder / "model.safetensors")
-        lm = portable_ssm.load_pretrained(folder)
+        lm = portable_ssm.load_pretrained(_pure(mlp_case, tmp_path / str(n), **empty)[0])
         assert isinstance(lm, portable_ssm.Mamba2LM) and lm.config.n_layer == 2
         assert np.isfinite(lm.logits(mlp_case["ids"])).all()
+
+
+@pytest.mark.parametrize("ssm,note", [(dict(norm_before_gate=True), "rmsnorm(y) * silu(z)"),
+                                      (dict(rmsnorm=False), "no norm"), (dict(D_has_hdim=True), "rmsnorm(y * silu(z))"),
+                                      (dict(dt_limit=[0.01, 0.5], ngroups=4), "rmsnorm(y * silu(z))")])
+def test_ssm_cfg_variants_are_read_as_the_pure_loader_reads_them(mlp_case, tmp_path, ssm, note):
+    """The Mamba-2 fields of ssm_cfg (checked against mamba_ssm's math in test_variants) mean the
+    same in a hybrid: the pure model, and it with an MLP whose fc2 is zero (d_intermediate 128),
+    give the same logits."""
+    pure_dir, weights = _pure(mlp_case, tmp_path / "pure", attn_layer_idx=_DROP, d_intermediate=_DROP, ssm_cfg=ssm)
+    gen = torch.Generator().manual_seed(5)
+    for i in range(2):
+        mixer = f"backbone.layers.{i}.mixer."
+        if ssm.get("rmsnorm") is False:
+            del weights[mixer + "norm.weight"]
+        if ssm.get("D_has_hdim"):
+            weights[mixer + "D"] = torch.randn(64, generator=gen)  # [h·p], stored flat as mamba_ssm does
+        if "ngroups" in ssm:  # B and C of 4 groups: in_proj and conv1d grow by 2·2·d_state rows
+            z_x, rest = 128, weights[mixer + "in_proj.weight"].shape[0] - 128
+            grow = torch.randn(2 * 2 * 8, 32, generator=gen) * 0.1
+            in_proj = weights[mixer + "in_proj.weight"]
+            weights[mixer + "in_proj.weight"] = torch.cat([in_proj[:z_x + rest - 4], grow, in_proj[-4:]])
+            weights[mixer + "conv1d.weight"] = torch.cat([weights[mixer + "conv1d.weight"],
+                                                          torch.randn(32, 1, 4, generator=gen) * 0.1])
+            weights[mixer + "conv1d.bias"] = torch.cat([weights[mixer + "conv1d.bias"], torch.zeros(32)])
+    safetensors_torch.save_file(weights, pure_dir / "model.safetensors")
+    hybrid_dir = _copy(mlp_case, tmp_path / "hybrid", n_layer=2, attn_layer_idx=[], attn_cfg=_DROP, d_intermediate=128,
+                       ssm_cfg=ssm)
+    mlp = {}
+    for i in range(2):
+        mlp.update({f"backbone.layers.{i}.norm2.weight": torch.ones(32),
+                    f"backbone.layers.{i}.mlp.fc1.weight": torch.randn(256, 32, generator=gen),
+                    f"backbone.layers.{i}.mlp.fc2.weight": torch.zeros(32, 128)})
+    safetensors_torch.save_file(dict(weights, **mlp), hybrid_dir / "model.safetensors")
+    pure, hybrid = portable_ssm.load_pretrained(pure_dir), portable_ssm.load_pretrained(hybrid_dir)
+    assert isinstance(pure, portable_ssm.Mamba2LM) and isinstance(hybrid, HybridLM)
+    assert any(note in n for n in hybrid.notes)
+    assert _rel(hybrid.logits(mlp_case["ids"]), pure.logits(mlp_case["ids"])) < 1e-5
 
 
 def test_cli_info_names_the_mamba_ssm_family(mlp_case, capsys):

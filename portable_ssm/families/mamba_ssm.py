@@ -120,7 +120,9 @@ def config(raw: Any) -> tuple[HybridConfig, tuple[str, ...]]:
         layers=tuple(("attention" if i in attn else "mamba", "mlp" if f else None) for i in range(whole.n_layer)),
         mamba=mamba, attention=_attention(raw, d) if attn else None, mlp=MLPSpec("silu", True) if f else None,
         d_ff=f, norm_eps=whole.norm_eps, tie_embeddings=whole.tie_embeddings, family="mamba_ssm")
-    return cfg, ("Mamba mixer: rmsnorm(y * silu(z)) per group, eps 1e-5 (mamba_ssm's RMSNormGated)",)
+    gate = ("y * silu(z), no norm (ssm_cfg.rmsnorm false)" if not mamba.rmsnorm else
+            "rmsnorm(y) * silu(z) per group" if mamba.norm_before_gate else "rmsnorm(y * silu(z)) per group")
+    return cfg, (f"Mamba mixer: {gate}, eps 1e-5 (mamba_ssm's RMSNormGated)",)
 
 
 def vocab_size(raw: Any) -> int:
