@@ -42,15 +42,22 @@ class HybridLM:
     """A hybrid language model (loaded by :func:`portable_ssm.load_pretrained` from a Granite-4.0-H,
     Bamba, ... folder). ``params``: core names (:mod:`portable_ssm.stack`), one backend and dtype;
     ``generation_config``: defaults for :meth:`generate` and :meth:`stream` (the folder's
-    ``generation_config.json``), checked as the Mamba-2 model's."""
+    ``generation_config.json``), checked as the Mamba-2 model's; ``vocab_size``: the real
+    vocabulary when the head's ``config.vocab_size`` rows are padded (mamba_ssm), else None."""
 
     def __init__(self, params: dict[str, Array], config: HybridConfig, *, eos_token_id: Any = None,
-                 notes: tuple[str, ...] = (), generation_config: dict[str, Any] | None = None) -> None:
+                 notes: tuple[str, ...] = (), generation_config: dict[str, Any] | None = None,
+                 vocab_size: int | None = None) -> None:
         if not isinstance(config, HybridConfig):
             raise TypeError(f"config: expected a HybridConfig, got {type(config).__name__}")
+        vocab = config.vocab_size if vocab_size is None else vocab_size
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= config.vocab_size:
+            raise ValueError(f"vocab_size: expected None or an int in [1, {config.vocab_size}] (the head's rows), "
+                             f"got {vocab_size!r}")
         self.params, self.config, self.eos_token_id, self.notes = params, config, eos_token_id, notes
+        self._vocab = vocab
         self.generation_config = check_generation_config({} if generation_config is None else generation_config,
-                                                         Limits(vocab=config.vocab_size, rows=config.vocab_size))
+                                                         Limits(vocab=vocab, rows=config.vocab_size))
         first = params["embedding.weight"]
         self._xp: Namespace = namespace(**{"params['embedding.weight']": first})
 
@@ -65,8 +72,8 @@ class HybridLM:
 
     @property
     def vocab_size(self) -> int:
-        """Token ids generation may choose (the head's rows)."""
-        return self.config.vocab_size
+        """Token ids generation may choose: the real vocabulary (the head's rows but padding)."""
+        return self._vocab
 
     @property
     def num_parameters(self) -> int:
@@ -81,8 +88,9 @@ class HybridLM:
         for mix, ffn in c.layers:
             label = "+".join(k for k in (mix, ffn) if k is not None)
             kinds[label] = kinds.get(label, 0) + 1
+        vocab = self.vocab_size if self.vocab_size == c.vocab_size else f"{self.vocab_size} (rows {c.vocab_size})"
         rows: list[tuple[str, Any]] = [("family", c.family), ("parameters", f"{self.num_parameters:,}"),
-                                       ("eos_token_id", self.eos_token_id), ("vocab", c.vocab_size),
+                                       ("eos_token_id", self.eos_token_id), ("vocab", vocab),
                                        ("d_model", c.d_model), ("layers", f"{c.n_layer}: " + ", ".join(
                                            f"{n} {k}" for k, n in kinds.items()))]
         if c.mamba is not None:
@@ -107,7 +115,7 @@ class HybridLM:
         if kind == "float32":
             return self
         return HybridLM(params, self.config, eos_token_id=self.eos_token_id, notes=self.notes,
-                        generation_config=self.generation_config)
+                        generation_config=self.generation_config, vocab_size=self.vocab_size)
 
     def empty_state(self, batch: int, max_len: int) -> HybridState:
         """A zero state for ``batch`` rows with KV caches of ``max_len`` tokens."""
@@ -198,7 +206,7 @@ class HybridLM:
             raise ValueError(f"input_ids: expected shape [b, l], got {tuple(ids.shape)}")
         if options.get("compile") is not None:
             raise ValueError(f"compile: a hybrid model's steps run eagerly, got {options['compile']!r}")
-        defaults = {"eos_token_id": self.eos_token_id, **self.generation_config}
+        defaults = {"vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id, **self.generation_config}
         o = check_options(ids.shape[1], self.config.vocab_size,
                           **call_options(defaults, max_new_tokens, eos_token_id, options))
         check_id_dtype(ids, o, xp=self._xp)

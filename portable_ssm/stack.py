@@ -299,7 +299,7 @@ def param_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
             for name, shape in (("q_proj", (q, din)), ("k_proj", (kv, din)), ("v_proj", (kv, din)),
                                 ("o_proj", (d, q))):
                 shapes[f"{pre}{name}.weight"] = shape
-                if a.bias:
+                if a.out_bias if name == "o_proj" else a.bias:
                     shapes[f"{pre}{name}.bias"] = (shape[0],)
         if mix is not None:
             shapes[f"layers.{i}.mixer_norm.weight"] = (d,)

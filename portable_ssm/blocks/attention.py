@@ -29,7 +29,8 @@ class AttentionSpec:
     scale: float  # scores = scale · q·k (1/sqrt(hd) for most, Granite's attention_multiplier)
     rotary_dim: int = 0  # r: RoPE on the first r channels of each head; 0 = no position encoding
     rope_theta: float = 10000.0
-    bias: bool = False  # biases on q/k/v/o projections
+    bias: bool = False  # biases on the q/k/v projections (and o_proj unless out_bias says otherwise)
+    out_bias: bool | None = None  # bias on o_proj; None: as ``bias`` (mamba_ssm sets the two apart)
 
     def __post_init__(self) -> None:
         for name in ("n_heads", "n_kv_heads", "head_dim"):
@@ -39,6 +40,11 @@ class AttentionSpec:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"AttentionSpec.n_kv_heads: n_heads = {self.n_heads} must be a multiple of "
                              f"n_kv_heads = {self.n_kv_heads}")
+        if not isinstance(self.bias, bool) or not isinstance(self.out_bias, (bool, type(None))):
+            raise TypeError(f"AttentionSpec.bias, out_bias: expected True or False (out_bias also None), got "
+                            f"{self.bias!r}, {self.out_bias!r}")
+        if self.out_bias is None:
+            object.__setattr__(self, "out_bias", self.bias)
         if not (0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise ValueError(f"AttentionSpec.rotary_dim: expected an even int in [0, head_dim = {self.head_dim}], "
                              f"got {self.rotary_dim!r}")

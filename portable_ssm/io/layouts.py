@@ -118,12 +118,21 @@ def _transformers_fields(raw: _Keys) -> dict[str, Any]:
                 vocab_size=raw.int("vocab_size"), pad_vocab_size_multiple=1)
 
 
-def _state_spaces_fields(raw: _Keys) -> dict[str, Any]:
-    """mamba_ssm's ``MambaConfig`` keys (with its defaults) -> ``portable_ssm.Mamba2Config`` fields."""
+def is_state_spaces_hybrid(raw: Any) -> bool:
+    """A state-spaces ``config.json`` (``d_model``, no ``hidden_size``) with attention layers or MLP
+    blocks (``attn_layer_idx`` or ``d_intermediate`` set): the ``mamba_ssm`` hybrid family reads it."""
+    return (isinstance(raw, dict) and "d_model" in raw and "hidden_size" not in raw
+            and (raw.get("attn_layer_idx") not in (None, []) or raw.get("d_intermediate") not in (None, 0)))
+
+
+def state_spaces_fields(raw: _Keys, *, hybrid: bool = False) -> dict[str, Any]:
+    """mamba_ssm's ``MambaConfig`` keys (with its defaults) -> ``portable_ssm.Mamba2Config`` fields
+    (the whole model's, every Mamba layer alike). ``hybrid``: ``d_intermediate`` and
+    ``attn_layer_idx`` are the caller's to read (:mod:`portable_ssm.families.mamba_ssm`)."""
     ssm, init = raw.object("ssm_cfg"), raw.object("initializer_cfg")
     checks = [("ssm_cfg.layer", ssm.get("layer", "Mamba1"), "Mamba2"),  # mamba_ssm defaults to Mamba1
-              ("d_intermediate", raw.get("d_intermediate", 0), 0),  # MLP blocks
-              ("attn_layer_idx", raw.get("attn_layer_idx") or [], []),  # attention layers
+              *(() if hybrid else (("d_intermediate", raw.get("d_intermediate", 0), 0),  # MLP blocks
+                                   ("attn_layer_idx", raw.get("attn_layer_idx") or [], []))),  # attention layers
               ("rms_norm", raw.get("rms_norm", True), True)]  # LayerNorm blocks
     for key, value, supported in checks:
         if type(value) is not type(supported) or value != supported:
@@ -153,12 +162,12 @@ def config_fields(raw_config: Any, where: str) -> dict[str, Any]:
     unsupported variant raises :class:`CheckpointError` naming ``where``, config.json and the key."""
     try:
         raw = _Keys(raw_config)
-        return (_transformers_fields if "hidden_size" in raw.raw else _state_spaces_fields)(raw)
+        return (_transformers_fields if "hidden_size" in raw.raw else state_spaces_fields)(raw)
     except CheckpointError as err:
         raise CheckpointError(f"{where}: config.json: {err}") from None
 
 
-def _D_per_channel(tensors: Tensors, config: Mamba2Config) -> Tensors:
+def D_per_channel(tensors: Tensors, config: Mamba2Config) -> Tensors:
     """Every layer's D as ``[h, p]``: mamba_ssm stores ``D_has_hdim``'s D flat, ``[h·p]``, and
     rearranges it ``(h p) -> h p`` in forward; a D of another size is left for the shape check."""
     h, p = config.nheads, config.headdim
@@ -234,7 +243,7 @@ def sanitize(fields: dict[str, Any], tensors: Tensors, where: str) -> tuple[Mamb
     config = _config(dict(fields, pad_vocab_size_multiple=multiple), where)
     expected = param_shapes(config)
     if config.D_has_hdim:
-        renamed = _D_per_channel(renamed, config)
+        renamed = D_per_channel(renamed, config)
     for key, shape in expected.items():
         if key not in renamed:
             spelled = key if key == "lm_head.weight" else f"backbone.{key}"

@@ -189,9 +189,9 @@ def _check_arguments(path: Any, revision: Any, local_files_only: Any, weights: A
 
 def _hybrid_family(raw: Any, path: str, weights: str, backend: str, dtype: str | None, device: Any) -> Any:
     """The hybrid families' hook (:mod:`portable_ssm.io.hybrid`): their model, or None for Mamba-2."""
-    from .hybrid import load_hybrid, model_types
+    from .hybrid import family_of, load_hybrid
 
-    if not isinstance(raw, dict) or raw.get("model_type") not in model_types():
+    if family_of(raw) is None:
         return None
     model = load_hybrid(path, raw, backend=backend, dtype=dtype, device=device)
     try:

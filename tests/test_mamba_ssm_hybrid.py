@@ -1,0 +1,387 @@
+"""mamba_ssm's own hybrid checkpoints (state-spaces ``config.json`` with ``attn_layer_idx``,
+``attn_cfg`` and ``d_intermediate``) against transformers' Bamba, without mamba_ssm installed.
+
+Bamba is the same architecture (Mamba-2 layers, attention at some indices, a SwiGLU MLP after
+every layer, RoPE on half of each head, rotate_half style), so a tiny random Bamba built at test
+time is converted here into mamba_ssm's layout — q, k, v packed into ``in_proj``, fc1 = ``[up;
+gate]``, ``backbone.``/``norm``/``norm2``/``mlp``/``norm_f`` names — with its config.json, and the
+loaded model is held to Bamba's logits, greedy tokens, cached steps and ragged rows by
+test_families' own tests (imported below, run on this module's ``case``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from test_families import (  # noqa: F401 (the imported tests run here on this module's case fixture)
+    COMMON,
+    MAMBA,
+    NEW,
+    PROMPT,
+    SHORT,
+    _rel,
+    test_cli_info_names_the_family_and_the_gated_norm_the_loader_applies,
+    test_generation_continues_from_a_returned_state,
+    test_greedy_generation_is_token_equal_to_transformers_for_ragged_rows,
+    test_half_precision_weights_compute_in_float32_and_stay_close,
+    test_left_padded_rows_give_what_each_row_gives_alone,
+    test_logits_match_transformers,
+    test_one_token_step_traces_under_jax_jit_with_static_shapes,
+    test_prefill_then_one_token_steps_match_the_whole_sequence,
+    test_rows_stop_at_eos_then_pad_and_the_stream_ends_when_all_did,
+)
+
+import portable_ssm
+from portable_ssm.hybrid_lm import HybridLM
+from portable_ssm.io import CheckpointError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+HD = COMMON["hidden_size"] // COMMON["num_attention_heads"]  # 8
+SSM_CFG = dict(layer="Mamba2", d_state=MAMBA["mamba_d_state"], headdim=MAMBA["mamba_d_head"], ngroups=2,
+               chunk_size=MAMBA["mamba_chunk_size"], expand=2)
+
+#: name -> Bamba's config edits, mamba_ssm's config edits, attention biases kept (None: both as
+#: Bamba), the MLP kept, the weights file's name.
+VARIANTS = {
+    # tied head, a vocabulary of 60 padded to 64 rows, MLPs of 128, no attention biases
+    "mlp_tied_padded": dict(
+        bamba=dict(intermediate_size=128, tie_word_embeddings=True), vocab=60, mlp=True, qkv_bias=False,
+        out_bias=False, attn_cfg=dict(num_heads=4, num_heads_kv=2, head_dim=HD, rotary_emb_dim=HD // 2, causal=True,
+                                      qkv_proj_bias=False, out_proj_bias=False), file="model.safetensors"),
+    # d_intermediate 0: Bamba with its MLPs' down_proj zeroed is the same model; MHA's default
+    # biases (both on), head_dim from d_model / num_heads; an untied head; pytorch_model.bin
+    "attention_only_biases": dict(
+        bamba=dict(intermediate_size=16, tie_word_embeddings=False, attention_bias=True), vocab=64, mlp=False,
+        qkv_bias=True, out_bias=True, attn_cfg=dict(num_heads=4, num_heads_kv=2, rotary_emb_dim=HD // 2, causal=True),
+        file="pytorch_model.bin"),
+    # two attention layers, biases on q/k/v only (Bamba's o_proj bias zeroed), an explicit scale
+    "qkv_bias_only": dict(
+        bamba=dict(intermediate_size=128, tie_word_embeddings=True, attention_bias=True, attn_layer_indices=[0, 2]),
+        vocab=64, mlp=True, qkv_bias=True, out_bias=False,
+        attn_cfg=dict(num_heads=4, num_heads_kv=2, head_dim=HD, rotary_emb_dim=HD // 2, causal=True,
+                      out_proj_bias=False, softmax_scale=HD ** -0.5, rotary_emb_base=10000),
+        file="model.safetensors"),
+}
+
+
+def _bamba(variant: dict, seed: int = 0):
+    """A tiny random Bamba (1-D parameters varied off their init), with the parts this variant's
+    mamba_ssm model lacks zeroed: the MLPs' down_proj, a projection's bias."""
+    config = transformers.BambaConfig(**dict(COMMON, **MAMBA, num_hidden_layers=3, attn_layer_indices=[1],
+                                             mamba_n_groups=2) | variant["bamba"])
+    torch.manual_seed(seed)
+    model = transformers.BambaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(0.1 * torch.randn_like(param))
+        for name, param in model.named_parameters():
+            if (not variant["mlp"] and name.endswith("down_proj.weight")
+                    or not variant["qkv_bias"] and name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))
+                    or not variant["out_bias"] and name.endswith("o_proj.bias")):
+                param.zero_()
+    return model
+
+
+def mamba_ssm_state_dict(model, variant: dict) -> dict:
+    """Bamba's weights in mamba_ssm's names and packing."""
+    sd, cfg = model.state_dict(), model.config
+    out = {"backbone.embedding.weight": sd["model.embed_tokens.weight"],
+           "backbone.norm_f.weight": sd["model.final_layernorm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"backbone.layers.{i}."
+        out[dst + "norm.weight"] = sd[src + "input_layernorm.weight"]
+        if i in cfg.attn_layer_indices:
+            a = src + "self_attn."
+            out[dst + "mixer.in_proj.weight"] = torch.cat([sd[a + f"{p}_proj.weight"] for p in "qkv"])
+            out[dst + "mixer.out_proj.weight"] = sd[a + "o_proj.weight"]
+            if variant["qkv_bias"]:
+                out[dst + "mixer.in_proj.bias"] = torch.cat([sd[a + f"{p}_proj.bias"] for p in "qkv"])
+            if variant["out_bias"]:
+                out[dst + "mixer.out_proj.bias"] = sd[a + "o_proj.bias"]
+        else:
+            m = src + "mamba."
+            out.update({dst + "mixer." + k[len(m):]: v for k, v in sd.items() if k.startswith(m)})
+        if variant["mlp"]:
+            f = src + "feed_forward."
+            out[dst + "norm2.weight"] = sd[src + "pre_ff_layernorm.weight"]
+            out[dst + "mlp.fc1.weight"] = torch.cat([sd[f + "up_proj.weight"], sd[f + "gate_proj.weight"]])  # [y; gate]
+            out[dst + "mlp.fc2.weight"] = sd[f + "down_proj.weight"]
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+
+
+def mamba_ssm_config(model, variant: dict) -> dict:
+    cfg = model.config
+    return dict(d_model=cfg.hidden_size, d_intermediate=cfg.intermediate_size if variant["mlp"] else 0,
+                n_layer=cfg.num_hidden_layers, vocab_size=variant["vocab"], ssm_cfg=SSM_CFG,
+                attn_layer_idx=list(cfg.attn_layer_indices), attn_cfg=variant["attn_cfg"], rms_norm=True,
+                residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8,
+                tie_embeddings=cfg.tie_word_embeddings, norm_epsilon=cfg.rms_norm_eps)
+
+
+def save_mamba_ssm(model, variant: dict, folder) -> None:
+    """config.json and the weights as mamba_ssm's ``save_pretrained`` lays them out."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(mamba_ssm_config(model, variant)))
+    tensors = mamba_ssm_state_dict(model, variant)
+    if variant["file"].endswith(".bin"):
+        torch.save(tensors, folder / variant["file"])
+    else:
+        safetensors_torch.save_file(tensors, folder / variant["file"])
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def case(request, tmp_path_factory):
+    """A saved mamba_ssm hybrid with Bamba's outputs: full logits, a row alone, greedy tokens
+    (never a padding row of the vocabulary: transformers' ``suppress_tokens``)."""
+    variant = VARIANTS[request.param]
+    model = _bamba(variant).eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    save_mamba_ssm(model, variant, folder)
+    ids = torch.randint(1, variant["vocab"], (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    padding = list(range(variant["vocab"], model.config.vocab_size)) or None
+    with torch.no_grad():
+        full = model(ids).logits.numpy()
+        alone = model(ids[1:, PROMPT - SHORT:]).logits.numpy()[0]
+        tokens = [model.generate(ids[i:i + 1, start:], max_new_tokens=NEW, do_sample=False,
+                                 suppress_tokens=padding)[0, PROMPT - start:].numpy()
+                  for i, start in ((0, 0), (1, PROMPT - SHORT))]
+    return dict(name=request.param, folder=str(folder), ids=ids.numpy(), full=full, alone=alone, tokens=tokens,
+                model=model, variant=variant)
+
+
+def test_a_state_spaces_hybrid_loads_as_the_mamba_ssm_family(case):
+    lm = portable_ssm.load_pretrained(case["folder"])
+    variant = case["variant"]
+    assert isinstance(lm, HybridLM) and lm.config.family == "mamba_ssm"
+    attn = set(case["model"].config.attn_layer_indices)
+    ffn = "mlp" if variant["mlp"] else None
+    assert lm.config.layers == tuple(("attention" if i in attn else "mamba", ffn) for i in range(3))
+    assert lm.config.attention.bias is variant["qkv_bias"] and lm.config.attention.out_bias is variant["out_bias"]
+    assert lm.vocab_size == variant["vocab"] and lm.config.vocab_size == 64  # the head's rows, padded to 8
+
+
+def test_torch_autograd_gradients_match_bamba_for_an_attention_and_an_mlp_weight(tmp_path):
+    variant = VARIANTS["qkv_bias_only"]
+    model = _bamba(variant).train()
+    save_mamba_ssm(model, variant, tmp_path)
+    ids = torch.randint(1, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    loss = torch.nn.functional.cross_entropy
+    loss(model(ids).logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1)).backward()
+    lm = portable_ssm.load_pretrained(tmp_path, backend="torch")
+    for p in lm.params.values():
+        p.requires_grad_(True)
+    loss(lm.logits(ids)[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1)).backward()
+    hf = dict(model.named_parameters())
+    for core, name in (("layers.2.mixer.k_proj.weight", "model.layers.2.self_attn.k_proj.weight"),
+                       ("layers.0.mixer.q_proj.bias", "model.layers.0.self_attn.q_proj.bias"),
+                       ("layers.1.ffn.down.weight", "model.layers.1.feed_forward.down_proj.weight")):
+        assert _rel(lm.params[core].grad.numpy(), hf[name].grad.numpy()) < 1e-4, core
+
+
+def test_an_out_proj_bias_without_qkv_biases_is_bambas_model(tmp_path):
+    """qkv_proj_bias false, out_proj_bias left at MHA's default (true): Bamba with attention_bias
+    and its q/k/v biases zeroed."""
+    variant = dict(VARIANTS["qkv_bias_only"], qkv_bias=False, out_bias=True,
+                   attn_cfg=dict(num_heads=4, num_heads_kv=2, rotary_emb_dim=HD // 2, causal=True, qkv_proj_bias=False))
+    model = _bamba(variant).eval()
+    save_mamba_ssm(model, variant, tmp_path)
+    ids = torch.randint(1, 64, (2, PROMPT), generator=torch.Generator().manual_seed(4))
+    lm = portable_ssm.load_pretrained(tmp_path)
+    assert lm.config.attention.bias is False and lm.config.attention.out_bias is True
+    with torch.no_grad():
+        assert _rel(lm.logits(ids.numpy()), model(ids).logits.numpy()) < 1e-4
+
+
+def _copy(case, folder, **changes):
+    """The case's folder with config.json edited (``attn_cfg``/``ssm_cfg`` dicts merged)."""
+    shutil.copytree(case["folder"], folder)
+    raw = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        raw[key] = dict(raw[key], **value) if isinstance(value, dict) else value
+    for sub in ("attn_cfg", "ssm_cfg"):
+        if isinstance(raw.get(sub), dict):
+            raw[sub] = {k: v for k, v in raw[sub].items() if v is not _DROP}
+    raw = {k: v for k, v in raw.items() if v is not _DROP}
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
+_DROP = object()
+
+
+@pytest.fixture(scope="module")
+def mlp_case(tmp_path_factory):
+    """The tied, padded-vocabulary variant saved once, with Bamba's logits."""
+    variant = VARIANTS["mlp_tied_padded"]
+    model = _bamba(variant).eval()
+    folder = tmp_path_factory.mktemp("mlp")
+    save_mamba_ssm(model, variant, folder)
+    ids = torch.randint(1, 60, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids).logits.numpy()
+    return dict(folder=str(folder), ids=ids.numpy(), full=full)
+
+
+def test_generation_never_picks_a_padding_row_of_the_vocabulary(mlp_case):
+    """vocab_size 60 padded to 64 rows: the logits keep every row (as mamba_ssm's), generation
+    chooses among the real 60 only, even where a padding row's logit is the largest."""
+    lm = portable_ssm.load_pretrained(mlp_case["folder"])
+    table = lm.params["embedding.weight"].copy()
+    table[60], table[61] = 100.0 * table[60], -100.0 * table[60]  # the tied head: one of them wins everywhere
+    lm.params["embedding.weight"] = table
+    logits = lm.logits(mlp_case["ids"])
+    assert logits.shape[-1] == 64 and (logits.argmax(-1) >= 60).all()
+    assert lm.generate(mlp_case["ids"], max_new_tokens=NEW).max() < 60
+
+
+def test_d_intermediate_is_rounded_up_to_a_multiple_of_128_as_gated_mlp_does(mlp_case, tmp_path):
+    """d_intermediate 100 means fc1 [2·128, d] (GatedMLP's multiple_of=128): that checkpoint loads
+    and is Bamba's model; fc1 and fc2 of the unrounded size 100 are refused naming fc1."""
+    rounded = _copy(mlp_case, tmp_path / "rounded", d_intermediate=100)
+    lm = portable_ssm.load_pretrained(rounded)
+    assert lm.config.d_ff == 128
+    assert _rel(lm.logits(mlp_case["ids"]), mlp_case["full"]) < 1e-4
+    unrounded = _copy(mlp_case, tmp_path / "unrounded", d_intermediate=100)
+    weights = safetensors_torch.load_file(unrounded / "model.safetensors")
+    for i in range(3):
+        mlp = f"backbone.layers.{i}.mlp."
+        fc1 = weights[mlp + "fc1.weight"]
+        weights[mlp + "fc1.weight"] = torch.cat([fc1[:100], fc1[128:228]]).contiguous()
+        weights[mlp + "fc2.weight"] = weights[mlp + "fc2.weight"][:, :100].contiguous()
+    safetensors_torch.save_file(weights, unrounded / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'backbone.layers.0.mlp.fc1.weight' has shape \(200, 32\).*multiple "
+                                              r"of 128"):
+        portable_ssm.load_pretrained(unrounded)
+
+
+#: config.json edits, each refused with a CheckpointError naming the field.
+REFUSALS = [
+    ("ssm_cfg.layer", dict(ssm_cfg=dict(layer="Mamba1"))),
+    ("ssm_cfg.layer", dict(ssm_cfg=dict(layer=_DROP))),  # mamba_ssm's default is Mamba1
+    ("ssm_cfg.d_ssm", dict(ssm_cfg=dict(d_ssm=32))),
+    ("ssm_cfg.d_state", dict(ssm_cfg=dict(d_state="8"))),
+    ("attn_cfg.d_conv", dict(attn_cfg=dict(d_conv=4))),
+    ("attn_cfg.mlp_dim", dict(attn_cfg=dict(mlp_dim=64))),
+    ("attn_cfg.rotary_emb_interleaved", dict(attn_cfg=dict(rotary_emb_interleaved=True))),
+    ("attn_cfg.causal", dict(attn_cfg=dict(causal=False))),
+    ("attn_cfg.causal", dict(attn_cfg=dict(causal=_DROP))),  # MHA's default is causal=False
+    ("attn_cfg.window_size", dict(attn_cfg=dict(window_size=[4, 0]))),
+    ("attn_cfg.num_heads_kv", dict(attn_cfg=dict(num_heads_kv=3))),
+    ("attn_cfg.num_heads", dict(attn_cfg=dict(num_heads=_DROP))),
+    ("attn_cfg.num_heads", dict(attn_cfg=dict(num_heads=-4))),
+    ("attn_cfg.num_heads", dict(attn_cfg=dict(num_heads=3, head_dim=_DROP))),
+    ("attn_cfg.rotary_emb_dim", dict(attn_cfg=dict(rotary_emb_dim=3))),
+    ("attn_cfg.softmax_scale", dict(attn_cfg=dict(softmax_scale=-1.0))),
+    ("attn_cfg.qkv_proj_bias", dict(attn_cfg=dict(qkv_proj_bias=1))),
+    ("rms_norm", dict(rms_norm=False)),
+    ("bidirectional", dict(bidirectional=True)),
+    ("d_intermediate", dict(d_intermediate=-1)),
+    ("d_intermediate", dict(d_intermediate="128")),
+    ("attn_layer_idx", dict(attn_layer_idx=[7])),
+    ("attn_layer_idx", dict(attn_layer_idx=[True])),
+    ("attn_layer_idx", dict(attn_layer_idx="1")),
+]
+
+
+@pytest.mark.parametrize("field,changes", REFUSALS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(REFUSALS)])
+def test_unsupported_mamba_ssm_options_are_refused_naming_the_field(mlp_case, tmp_path, field, changes):
+    folder = _copy(mlp_case, tmp_path / "edited", **changes)
+    with pytest.raises(CheckpointError, match=field.replace(".", r"\.")) as err:
+        portable_ssm.load_pretrained(folder)
+    assert "config.json" in str(err.value)
+
+
+def test_unexpected_and_missing_tensors_are_refused_naming_them(mlp_case, tmp_path):
+    extra = _copy(mlp_case, tmp_path / "extra")
+    weights = safetensors_torch.load_file(extra / "model.safetensors")
+    safetensors_torch.save_file(dict(weights, **{"backbone.layers.0.mlp.fc1.bias": torch.zeros(256)}),
+                                extra / "model.safetensors")
+    with pytest.raises(CheckpointError, match="backbone.layers.0.mlp.fc1.bias"):
+        portable_ssm.load_pretrained(extra)
+    missing = _copy(mlp_case, tmp_path / "missing")
+    del weights["backbone.layers.1.mixer.in_proj.weight"]
+    safetensors_torch.save_file(weights, missing / "model.safetensors")
+    with pytest.raises(CheckpointError, match="layers.1.mixer.q_proj.weight"):
+        portable_ssm.load_pretrained(missing)
+
+
+def test_a_config_larger_than_its_weight_files_is_refused_before_reading(mlp_case, tmp_path):
+    folder = _copy(mlp_case, tmp_path / "big", d_intermediate=2**24)
+    with pytest.raises(CheckpointError, match="needs at least"):
+        portable_ssm.load_pretrained(folder)
+
+
+def _pure(mlp_case, folder, **changes):
+    """A pure Mamba-2 state-spaces folder (no attention, no MLP) of the case's Mamba layers 0 and 2."""
+    folder = _copy(mlp_case, folder, n_layer=2, attn_cfg=_DROP, **changes)
+    weights = safetensors_torch.load_file(folder / "model.safetensors")
+    pure = {k: v for k, v in weights.items() if not k.startswith("backbone.layers.")}
+    for new, old in ((0, 0), (1, 2)):
+        pure.update({k.replace(f"layers.{old}.", f"layers.{new}."): v for k, v in weights.items()
+                     if k.startswith(f"backbone.layers.{old}.") and ".mlp." not in k and ".norm2." not in k})
+    safetensors_torch.save_file(pure, folder / "model.safetensors")
+    return folder, pure
+
+
+def test_a_pure_state_spaces_config_still_loads_as_mamba2(mlp_case, tmp_path):
+    """No attention layer and no MLP (the keys absent or empty): the pure Mamba-2 model with its
+    whole-model decode kernel, not the hybrid stack."""
+    for n, empty in enumerate((dict(attn_layer_idx=_DROP, d_intermediate=_DROP), dict(attn_layer_idx=[],
+                                                                                        d_intermediate=0))):
+        lm = portable_ssm.load_pretrained(_pure(mlp_case, tmp_path / str(n), **empty)[0])
+        assert isinstance(lm, portable_ssm.Mamba2LM) and lm.config.n_layer == 2
+        assert np.isfinite(lm.logits(mlp_case["ids"])).all()
+
+
+@pytest.mark.parametrize("ssm,note", [(dict(norm_before_gate=True), "rmsnorm(y) * silu(z)"),
+                                      (dict(rmsnorm=False), "no norm"), (dict(D_has_hdim=True), "rmsnorm(y * silu(z))"),
+                                      (dict(dt_limit=[0.01, 0.5], ngroups=4), "rmsnorm(y * silu(z))")])
+def test_ssm_cfg_variants_are_read_as_the_pure_loader_reads_them(mlp_case, tmp_path, ssm, note):
+    """The Mamba-2 fields of ssm_cfg (checked against mamba_ssm's math in test_variants) mean the
+    same in a hybrid: the pure model, and it with an MLP whose fc2 is zero (d_intermediate 128),
+    give the same logits."""
+    pure_dir, weights = _pure(mlp_case, tmp_path / "pure", attn_layer_idx=_DROP, d_intermediate=_DROP, ssm_cfg=ssm)
+    gen = torch.Generator().manual_seed(5)
+    for i in range(2):
+        mixer = f"backbone.layers.{i}.mixer."
+        if ssm.get("rmsnorm") is False:
+            del weights[mixer + "norm.weight"]
+        if ssm.get("D_has_hdim"):
+            weights[mixer + "D"] = torch.randn(64, generator=gen)  # [h·p], stored flat as mamba_ssm does
+        if "ngroups" in ssm:  # B and C of 4 groups: in_proj and conv1d grow by 2·2·d_state rows
+            z_x, rest = 128, weights[mixer + "in_proj.weight"].shape[0] - 128
+            grow = torch.randn(2 * 2 * 8, 32, generator=gen) * 0.1
+            in_proj = weights[mixer + "in_proj.weight"]
+            weights[mixer + "in_proj.weight"] = torch.cat([in_proj[:z_x + rest - 4], grow, in_proj[-4:]])
+            weights[mixer + "conv1d.weight"] = torch.cat([weights[mixer + "conv1d.weight"],
+                                                          torch.randn(32, 1, 4, generator=gen) * 0.1])
+            weights[mixer + "conv1d.bias"] = torch.cat([weights[mixer + "conv1d.bias"], torch.zeros(32)])
+    safetensors_torch.save_file(weights, pure_dir / "model.safetensors")
+    hybrid_dir = _copy(mlp_case, tmp_path / "hybrid", n_layer=2, attn_layer_idx=[], attn_cfg=_DROP, d_intermediate=128,
+                       ssm_cfg=ssm)
+    mlp = {}
+    for i in range(2):
+        mlp.update({f"backbone.layers.{i}.norm2.weight": torch.ones(32),
+                    f"backbone.layers.{i}.mlp.fc1.weight": torch.randn(256, 32, generator=gen),
+                    f"backbone.layers.{i}.mlp.fc2.weight": torch.zeros(32, 128)})
+    safetensors_torch.save_file(dict(weights, **mlp), hybrid_dir / "model.safetensors")
+    pure, hybrid = portable_ssm.load_pretrained(pure_dir), portable_ssm.load_pretrained(hybrid_dir)
+    assert isinstance(pure, portable_ssm.Mamba2LM) and isinstance(hybrid, HybridLM)
+    assert any(note in n for n in hybrid.notes)
+    assert _rel(hybrid.logits(mlp_case["ids"]), pure.logits(mlp_case["ids"])) < 1e-5
+
+
+def test_cli_info_names_the_mamba_ssm_family(mlp_case, capsys):
+    from portable_ssm.cli import main
+
+    assert main(["info", mlp_case["folder"]]) == 0
+    shown = capsys.readouterr().out
+    assert "mamba_ssm" in shown and "60 (rows 64)" in shown and "eps 1e-5" in shown
