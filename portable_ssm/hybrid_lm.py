@@ -23,6 +23,7 @@ from .quantized import QUANTIZED_LEAVES, quantize
 from .stack import (
     HybridConfig,
     HybridState,
+    check_attention_convs,
     check_room,
     embed_tokens,
     empty_hybrid_state,
@@ -99,8 +100,9 @@ class HybridLM:
                                   f"conv {m.d_conv}"))
         if c.attention is not None and c.indices("attention"):
             a = c.attention
+            conv = f", conv {a.conv}" if a.conv else ""
             rows.append(("attention", f"heads {a.n_heads}, kv heads {a.n_kv_heads}, head_dim {a.head_dim}, "
-                                      f"rotary {a.rotary_dim or 'none (nope)'}"))
+                                      f"rotary {a.rotary_dim or 'none (nope)'}{conv}"))
         return rows + [("note", note) for note in self.notes]
 
     def quantize(self, kind: str) -> HybridLM:
@@ -148,6 +150,7 @@ class HybridLM:
             state = self.empty_state(b, l if max_len is None else max_len)
         elif not isinstance(state, HybridState):
             raise TypeError(f"state: expected a HybridState, got {type(state).__name__}")
+        check_attention_convs(self.config, state)
         check_room(state, l)
         x = embed_tokens(input_ids, self.params, self.config, xp=self._xp)
         hidden, state = run_layers(x, self.params, self.config, state, tokens, pad, xp=self._xp)
@@ -170,6 +173,7 @@ class HybridLM:
         if not isinstance(state, HybridState):
             raise TypeError(f"state: expected a HybridState, got {type(state).__name__}")
         namespace(token=token, **{"params['embedding.weight']": self.params["embedding.weight"]})
+        check_attention_convs(self.config, state)
         if state_batch_indices is not None:
             Shapes().check("token", token, ("b",))
             check_state_batch_indices(state_batch_indices, state.positions.valid.shape[0], token.shape[0],
@@ -190,6 +194,8 @@ class HybridLM:
         for name, value in (("pool", pool), ("rows", rows)):
             if not isinstance(value, HybridState):
                 raise TypeError(f"{name}: expected a HybridState, got {type(value).__name__}")
+        check_attention_convs(self.config, pool, "pool")
+        check_attention_convs(self.config, rows, "rows")
         if rows.max_len != pool.max_len:
             raise ValueError(f"rows: expected KV caches of the pool's max_len {pool.max_len}, got {rows.max_len}")
         check_state_batch_indices(state_batch_indices, pool.positions.valid.shape[0], rows.positions.valid.shape[0],

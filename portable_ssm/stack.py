@@ -31,7 +31,16 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ._array import Array, Namespace, compute_dtype, device, is_traced
-from .blocks.attention import AttentionSpec, KVCache, Positions, advance, attention, empty_kv_cache, empty_positions
+from .blocks.attention import (
+    AttentionSpec,
+    KVCache,
+    Positions,
+    advance,
+    attention,
+    empty_kv_cache,
+    empty_positions,
+    qkv_width,
+)
 from .blocks.mlp import MLPSpec, mlp
 from .blocks.moe import MoESpec, moe
 from .config import Mamba2Config
@@ -100,8 +109,9 @@ class HybridConfig:
 
 class HybridState(NamedTuple):
     """Every layer's inference state: ``conv[j] [b, conv_dim, d_conv]``, ``ssm[j] [b, h, p, n]``
-    for the j-th Mamba layer, ``kv[j]`` (:class:`~portable_ssm.blocks.KVCache`, ``[b, kv, m, hd]``)
-    for the j-th attention layer, and the slots' bookkeeping the attention layers share."""
+    for the j-th Mamba layer, ``kv[j]`` (:class:`~portable_ssm.blocks.KVCache`, ``[b, kv, m, hd]``,
+    with an attention conv also its state ``[b, c, k]``) for the j-th attention layer, and the
+    slots' bookkeeping the attention layers share."""
 
     conv: tuple[Array, ...]
     ssm: tuple[Array, ...]
@@ -180,7 +190,7 @@ def run_layers(x: Array, params: dict[str, Array], config: HybridConfig, state: 
     def attend(v: Array, p: dict[str, Array], j: int) -> Array:
         seq = v[:, None, :] if one_token else v  # [b, d] -> [b, 1, d]
         out, kvs[j] = attention(seq, p, config.attention, kvs[j], state.positions.length, positions.valid, rope_pos,
-                                xp=xp)
+                                xp=xp, pad=pad)
         return out[:, 0, :] if one_token else out
 
     mamba_c = config.mamba_step if one_token and config.mamba_step is not None else config.mamba
@@ -242,7 +252,8 @@ def _map_rows(fn: Any, pool: HybridState, rows: HybridState) -> HybridState:
     return HybridState(
         conv=tuple(fn(a, r) for a, r in zip(pool.conv, rows.conv)),
         ssm=tuple(fn(a, r) for a, r in zip(pool.ssm, rows.ssm)),
-        kv=tuple(KVCache(fn(a.k, r.k), fn(a.v, r.v)) for a, r in zip(pool.kv, rows.kv)),
+        kv=tuple(KVCache(fn(a.k, r.k), fn(a.v, r.v), None if a.conv is None else fn(a.conv, r.conv))
+                 for a, r in zip(pool.kv, rows.kv)),
         positions=pool.positions._replace(valid=fn(pool.positions.valid, rows.positions.valid),
                                           seen=fn(pool.positions.seen, rows.positions.seen)))
 
@@ -259,6 +270,22 @@ def scatter_hybrid(pool: HybridState, indices: Array, rows: HybridState, *, xp: 
     out = _map_rows(lambda a, r: scatter_rows(a, indices, r, xp=xp), pool, rows)
     length = xp.maximum(pool.positions.length, rows.positions.length)
     return out._replace(positions=out.positions._replace(length=length))
+
+
+def check_attention_convs(config: HybridConfig, state: HybridState, name: str = "state") -> None:
+    """ValueError unless every KV cache of ``state`` holds the conv state ``[b, c, k]`` its
+    attention spec needs (``AttentionSpec.conv = k``), or None where it has no conv."""
+    a = config.attention
+    if a is None:
+        return
+    b = state.positions.valid.shape[0]
+    want = (b, qkv_width(a), a.conv) if a.conv else None
+    for j, cache in enumerate(state.kv):
+        got = None if getattr(cache, "conv", None) is None else tuple(cache.conv.shape)
+        if got != want:
+            raise ValueError(f"{name}.kv[{j}].conv: expected {'a conv state of shape ' + str(want) if want else 'None'}"
+                             f" (attention conv {a.conv}), got {got if got is not None else 'None'}; start from "
+                             f"this model's empty_state")
 
 
 def check_room(state: HybridState, new: int) -> None:
@@ -301,6 +328,8 @@ def param_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
                 shapes[f"{pre}{name}.weight"] = shape
                 if a.out_bias if name == "o_proj" else a.bias:
                     shapes[f"{pre}{name}.bias"] = (shape[0],)
+            if a.conv:
+                shapes.update({f"{pre}conv1d.weight": (q + 2 * kv, 1, a.conv), f"{pre}conv1d.bias": (q + 2 * kv,)})
         if mix is not None:
             shapes[f"layers.{i}.mixer_norm.weight"] = (d,)
         if ffn is not None:

@@ -6,7 +6,9 @@ every layer, RoPE on half of each head, rotate_half style), so a tiny random Bam
 time is converted here into mamba_ssm's layout — q, k, v packed into ``in_proj``, fc1 = ``[up;
 gate]``, ``backbone.``/``norm``/``norm2``/``mlp``/``norm_f`` names — with its config.json, and the
 loaded model is held to Bamba's logits, greedy tokens, cached steps and ragged rows by
-test_families' own tests (imported below, run on this module's ``case``)."""
+test_families' own tests (imported below, run on this module's ``case``). The ``attention_conv``
+variant (MHA's ``d_conv``, which Bamba lacks) swaps Bamba's attention layer for
+:class:`ConvMHA`, a plain-torch transcription of MHA's forward."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from test_families import (  # noqa: F401 (the imported tests run here on this m
 )
 
 import portable_ssm
+from portable_ssm.blocks import AttentionSpec, KVCache
 from portable_ssm.hybrid_lm import HybridLM
 from portable_ssm.io import CheckpointError
 
@@ -66,7 +69,54 @@ VARIANTS = {
         attn_cfg=dict(num_heads=4, num_heads_kv=2, head_dim=HD, rotary_emb_dim=HD // 2, causal=True,
                       out_proj_bias=False, softmax_scale=HD ** -0.5, rotary_emb_base=10000),
         file="model.safetensors"),
+    # state-spaces/mamba2attn-2.7b's attn_cfg keys, scaled down: a d_conv 4 over the packed q/k/v,
+    # kv heads = heads, half-head RoPE, no biases; the attention layer is ConvMHA, not Bamba's
+    "attention_conv": dict(
+        bamba=dict(intermediate_size=128, tie_word_embeddings=True), vocab=64, mlp=True, qkv_bias=False,
+        out_bias=False, conv=True,
+        attn_cfg=dict(causal=True, d_conv=4, head_dim=HD, num_heads=4, out_proj_bias=False, qkv_proj_bias=False,
+                      rotary_emb_dim=HD // 2), file="model.safetensors"),
 }
+
+
+class ConvMHA(torch.nn.Module):
+    """mamba_ssm's MHA forward with ``d_conv`` (no cache) in plain torch, Bamba's attention's call
+    signature: ``in_proj`` -> depthwise causal ``F.conv1d`` over packed ``[q; k; v]`` (bias, no
+    activation) -> heads -> RoPE (rotate_half) on the first rotary_emb_dim channels at positions
+    0..l-1 -> causal softmax attention -> ``out_proj``. Rows are unpadded (no mask is read)."""
+
+    def __init__(self, d: int, cfg: dict) -> None:
+        super().__init__()
+        self.h, self.hd, self.r, self.k = cfg["num_heads"], cfg["head_dim"], cfg["rotary_emb_dim"], cfg["d_conv"]
+        self.kv = cfg.get("num_heads_kv", self.h)
+        c = (self.h + 2 * self.kv) * self.hd
+        self.in_proj = torch.nn.Linear(d, c, bias=cfg["qkv_proj_bias"])
+        self.conv1d = torch.nn.Conv1d(c, c, self.k, groups=c)
+        self.out_proj = torch.nn.Linear(self.h * self.hd, d, bias=cfg["out_proj_bias"])
+
+    def forward(self, hidden_states, **_):
+        b, l, _ = hidden_states.shape
+        qkv = self.in_proj(hidden_states).transpose(1, 2)  # [b, c, l]
+        F = torch.nn.functional
+        qkv = F.conv1d(qkv, self.conv1d.weight, self.conv1d.bias, padding=self.k - 1, groups=qkv.shape[1])
+        qkv = qkv[..., :l].transpose(1, 2)  # the causal outputs, [b, l, c]
+        q, k, v = qkv.split([self.h * self.hd, self.kv * self.hd, self.kv * self.hd], dim=-1)
+        q, k, v = (t.reshape(b, l, -1, self.hd).transpose(1, 2) for t in (q, k, v))  # [b, heads, l, hd]
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, self.r, 2, dtype=torch.float32) / self.r)
+        angles = torch.arange(l, dtype=torch.float32)[:, None] * inv_freq  # [l, r/2]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+        def rope(t):
+            rot, rest = t[..., :self.r], t[..., self.r:]
+            half = torch.cat([-rot[..., self.r // 2:], rot[..., :self.r // 2]], -1)
+            return torch.cat([rot * cos + half * sin, rest], -1)
+
+        q, k = rope(q), rope(k)
+        k, v = (t.repeat_interleave(self.h // self.kv, dim=1) for t in (k, v))
+        scores = q @ k.transpose(-1, -2) * self.hd ** -0.5
+        scores = scores.masked_fill(~torch.ones(l, l, dtype=torch.bool).tril(), float("-inf"))
+        context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, l, self.h * self.hd)
+        return self.out_proj(context), None
 
 
 def _bamba(variant: dict, seed: int = 0):
@@ -85,6 +135,9 @@ def _bamba(variant: dict, seed: int = 0):
                     or not variant["qkv_bias"] and name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))
                     or not variant["out_bias"] and name.endswith("o_proj.bias")):
                 param.zero_()
+        if variant.get("conv"):
+            for i in config.attn_layer_indices:
+                model.model.layers[i].self_attn = ConvMHA(config.hidden_size, variant["attn_cfg"])
     return model
 
 
@@ -98,7 +151,10 @@ def mamba_ssm_state_dict(model, variant: dict) -> dict:
     for i in range(cfg.num_hidden_layers):
         src, dst = f"model.layers.{i}.", f"backbone.layers.{i}."
         out[dst + "norm.weight"] = sd[src + "input_layernorm.weight"]
-        if i in cfg.attn_layer_indices:
+        if i in cfg.attn_layer_indices and variant.get("conv"):
+            out.update({dst + "mixer." + k[len(src + "self_attn."):]: v for k, v in sd.items()
+                        if k.startswith(src + "self_attn.")})  # in_proj, conv1d, out_proj as MHA names them
+        elif i in cfg.attn_layer_indices:
             a = src + "self_attn."
             out[dst + "mixer.in_proj.weight"] = torch.cat([sd[a + f"{p}_proj.weight"] for p in "qkv"])
             out[dst + "mixer.out_proj.weight"] = sd[a + "o_proj.weight"]
@@ -150,8 +206,9 @@ def case(request, tmp_path_factory):
     with torch.no_grad():
         full = model(ids).logits.numpy()
         alone = model(ids[1:, PROMPT - SHORT:]).logits.numpy()[0]
+        uncached = dict(use_cache=False) if variant.get("conv") else {}  # ConvMHA keeps no cache
         tokens = [model.generate(ids[i:i + 1, start:], max_new_tokens=NEW, do_sample=False,
-                                 suppress_tokens=padding)[0, PROMPT - start:].numpy()
+                                 suppress_tokens=padding, **uncached)[0, PROMPT - start:].numpy()
                   for i, start in ((0, 0), (1, PROMPT - SHORT))]
     return dict(name=request.param, folder=str(folder), ids=ids.numpy(), full=full, alone=alone, tokens=tokens,
                 model=model, variant=variant)
@@ -268,7 +325,9 @@ REFUSALS = [
     ("ssm_cfg.layer", dict(ssm_cfg=dict(layer=_DROP))),  # mamba_ssm's default is Mamba1
     ("ssm_cfg.d_ssm", dict(ssm_cfg=dict(d_ssm=32))),
     ("ssm_cfg.d_state", dict(ssm_cfg=dict(d_state="8"))),
-    ("attn_cfg.d_conv", dict(attn_cfg=dict(d_conv=4))),
+    ("attn_cfg.d_conv", dict(attn_cfg=dict(d_conv=1))),  # MHA's own forward returns nothing for 1
+    ("attn_cfg.d_conv", dict(attn_cfg=dict(d_conv=-1))),
+    ("attn_cfg.d_conv", dict(attn_cfg=dict(d_conv="4"))),
     ("attn_cfg.mlp_dim", dict(attn_cfg=dict(mlp_dim=64))),
     ("attn_cfg.rotary_emb_interleaved", dict(attn_cfg=dict(rotary_emb_interleaved=True))),
     ("attn_cfg.causal", dict(attn_cfg=dict(causal=False))),
@@ -385,3 +444,78 @@ def test_cli_info_names_the_mamba_ssm_family(mlp_case, capsys):
     assert main(["info", mlp_case["folder"]]) == 0
     shown = capsys.readouterr().out
     assert "mamba_ssm" in shown and "60 (rows 64)" in shown and "eps 1e-5" in shown
+
+
+@pytest.fixture(scope="module")
+def conv_case(tmp_path_factory):
+    """The attention_conv variant (mamba2attn-2.7b's attn_cfg keys) saved once, with its logits."""
+    variant = VARIANTS["attention_conv"]
+    model = _bamba(variant).eval()
+    folder = tmp_path_factory.mktemp("conv")
+    save_mamba_ssm(model, variant, folder)
+    ids = torch.randint(1, 64, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids).logits.numpy()
+        alone = model(ids[1:, PROMPT - SHORT:]).logits.numpy()[0]
+    return dict(folder=str(folder), ids=ids.numpy(), full=full, alone=alone)
+
+
+def test_left_padding_never_enters_a_rows_attention_conv_window(conv_case):
+    """Padding slots holding real token ids (not id 0, whose zero embedding would hide a leak):
+    the padded row's logits and its next step's are what the row gives alone, so neither the
+    prompt's conv nor the state it leaves read a padding input."""
+    lm = portable_ssm.load_pretrained(conv_case["folder"])
+    ids = conv_case["ids"]
+    mask = np.ones_like(ids)
+    mask[1, :PROMPT - SHORT] = 0
+    logits, state = lm.prefill(ids[:, :-1], attention_mask=mask[:, :-1], max_len=PROMPT)
+    assert _rel(logits[1, PROMPT - SHORT:], conv_case["alone"][:-1]) < 1e-4
+    step, _ = lm.step(ids[:, -1], state)
+    assert _rel(step[1], conv_case["alone"][-1]) < 1e-4 and _rel(step[0], conv_case["full"][0, -1]) < 1e-4
+
+
+def test_attention_d_conv_loads_and_says_it_follows_mhas_forward(conv_case, capsys):
+    """attn_cfg.d_conv 4 is AttentionSpec.conv 4 with MHA's conv1d weight and bias, and the
+    loader's note (shown by info) says whose semantics it applies."""
+    from portable_ssm.cli import main
+
+    lm = portable_ssm.load_pretrained(conv_case["folder"])
+    assert lm.config.attention.conv == 4 and lm.config.attention.n_kv_heads == 4
+    assert tuple(lm.params["layers.1.mixer.conv1d.weight"].shape) == (96, 1, 4)
+    assert tuple(lm.params["layers.1.mixer.conv1d.bias"].shape) == (96,)
+    assert main(["info", conv_case["folder"]]) == 0
+    shown = capsys.readouterr().out
+    assert "conv 4" in shown and "as MHA's forward" in shown and "mamba_ssm's own cached decoding" in shown
+
+
+def test_pool_steps_carry_each_slots_attention_conv_state(conv_case):
+    """Rows prefilled apart and put in pool slots 2 and 0 step through gather/scatter to the
+    whole sequence's logits: the pool moves the attention conv state with its slot."""
+    lm = portable_ssm.load_pretrained(conv_case["folder"])
+    ids = conv_case["ids"]
+    pool, slots = lm.empty_state(3, PROMPT), np.array([2, 0])
+    for row in range(2):
+        _, rows = lm.prefill(ids[row:row + 1, :6], max_len=PROMPT)
+        pool = lm.pool_put(pool, slots[row:row + 1], rows)
+    for t in range(6, PROMPT):
+        logits, pool = lm.step(ids[:, t], pool, state_batch_indices=slots)
+        assert _rel(logits, conv_case["full"][:, t]) < 1e-4, t
+    assert not pool.kv[0].conv[1].any()  # the slot no row used keeps its zero state
+
+
+def test_a_state_without_the_attention_conv_state_is_refused(conv_case):
+    lm = portable_ssm.load_pretrained(conv_case["folder"])
+    state = lm.empty_state(2, PROMPT)
+    bare = state._replace(kv=(KVCache(state.kv[0].k, state.kv[0].v),))
+    with pytest.raises(ValueError, match=r"state\.kv\[0\]\.conv: expected a conv state of shape \(2, 96, 4\)"):
+        lm.step(conv_case["ids"][:, 0], bare)
+    with pytest.raises(ValueError, match=r"state\.kv\[0\]\.conv"):
+        lm.prefill(conv_case["ids"], state=bare)
+    with pytest.raises(ValueError, match=r"rows\.kv\[0\]\.conv"):
+        lm.pool_put(state, np.array([0, 1]), bare)
+
+
+@pytest.mark.parametrize("conv", [-1, True, 2.0])
+def test_attention_spec_refuses_a_conv_that_is_not_an_int_at_least_0(conv):
+    with pytest.raises(ValueError, match="AttentionSpec.conv"):
+        AttentionSpec(4, 4, 8, 1.0, conv=conv)

@@ -1,13 +1,20 @@
 """Causal self-attention with grouped KV heads, RoPE (full, partial or none) and a static KV cache.
 
 Shape legend: b batch, l new tokens, m cache slots (max_len), h query heads, kv key/value heads
-(``h = kv·rep``), hd head_dim, r rotary channels (``r <= hd``, 0: no position encoding, "nope").
+(``h = kv·rep``), hd head_dim, r rotary channels (``r <= hd``, 0: no position encoding, "nope"),
+c = (h + 2·kv)·hd packed q/k/v channels.
 
 The cache never changes shape: ``k, v [b, kv, m, hd]`` and ``valid [b, m]`` (which slots hold a
 real token, not left padding), ``length`` (slots written, a 0-d int array, so a jitted step does
 not retrace per position) and ``seen [b]`` (each row's real tokens so far: its next RoPE position,
 so a left-padded row is encoded as if alone). New keys land in slots ``length .. length+l-1``
 through a one-hot ``[l, m]`` matrix and ``where`` (no in-place writes, no data-dependent shapes).
+
+With ``AttentionSpec.conv = k > 0`` (mamba_ssm's ``MHA(d_conv=k)``) the packed projections ``[q;
+k; v]`` pass a depthwise causal conv (:func:`portable_ssm.conv.causal_conv1d`, with bias, no
+activation) before the heads are split and RoPE applied; the cache then also keeps the conv's
+last k inputs per row, ``conv [b, c, k]`` (the Mamba mixer's conv-state layout), and left padding
+never enters a row's conv window (:func:`portable_ssm.padding.padded_conv`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .._array import Array, Namespace, compute_dtype, device
+from ..conv import causal_conv1d
 from ..mixer import _linear
+from ..padding import padded_conv
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,7 @@ class AttentionSpec:
     rope_theta: float = 10000.0
     bias: bool = False  # biases on the q/k/v projections (and o_proj unless out_bias says otherwise)
     out_bias: bool | None = None  # bias on o_proj; None: as ``bias`` (mamba_ssm sets the two apart)
+    conv: int = 0  # k of a depthwise causal conv (with bias) over the packed [q; k; v] before RoPE; 0: none
 
     def __post_init__(self) -> None:
         for name in ("n_heads", "n_kv_heads", "head_dim"):
@@ -43,6 +53,8 @@ class AttentionSpec:
         if not isinstance(self.bias, bool) or not isinstance(self.out_bias, (bool, type(None))):
             raise TypeError(f"AttentionSpec.bias, out_bias: expected True or False (out_bias also None), got "
                             f"{self.bias!r}, {self.out_bias!r}")
+        if isinstance(self.conv, bool) or not isinstance(self.conv, int) or self.conv < 0:
+            raise ValueError(f"AttentionSpec.conv: expected an int >= 0 (0: no conv), got {self.conv!r}")
         if self.out_bias is None:
             object.__setattr__(self, "out_bias", self.bias)
         if not (0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
@@ -51,10 +63,12 @@ class AttentionSpec:
 
 
 class KVCache(NamedTuple):
-    """Keys and values of one attention layer, ``[b, kv, m, hd]`` each (x's dtype)."""
+    """Keys and values of one attention layer, ``[b, kv, m, hd]`` each (x's dtype), and with a
+    conv (``AttentionSpec.conv = k``) its last k inputs ``[b, c, k]``, else None."""
 
     k: Array
     v: Array
+    conv: Array | None = None
 
 
 class Positions(NamedTuple):
@@ -66,10 +80,16 @@ class Positions(NamedTuple):
 
 
 def empty_kv_cache(spec: AttentionSpec, batch: int, max_len: int, like: Array, *, xp: Namespace) -> KVCache:
-    """Zero keys and values for ``max_len`` slots, on ``like``'s device and dtype."""
+    """Zero keys and values for ``max_len`` slots (and a zero conv state), on ``like``'s device and dtype."""
     shape = (batch, spec.n_kv_heads, max_len, spec.head_dim)
     zeros = xp.zeros(shape, dtype=like.dtype, device=device(like))
-    return KVCache(zeros, zeros)
+    conv = xp.zeros((batch, qkv_width(spec), spec.conv), dtype=like.dtype, device=device(like)) if spec.conv else None
+    return KVCache(zeros, zeros, conv)
+
+
+def qkv_width(spec: AttentionSpec) -> int:
+    """c: the packed q/k/v channels, ``(h + 2·kv)·hd``."""
+    return (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
 
 
 def empty_positions(batch: int, max_len: int, like: Array, *, xp: Namespace) -> Positions:
@@ -123,17 +143,37 @@ def _write(cache: Array, new: Array, hit: Array, *, xp: Namespace) -> Array:
     return xp.where(xp.any(hit, axis=0)[:, None], placed, cache)
 
 
-def _project(x: Array, p: dict[str, Array], spec: AttentionSpec, rope_pos: Array, *,
-             xp: Namespace) -> tuple[Array, Array, Array]:
-    """``q [b, h, l, hd], k, v [b, kv, l, hd]`` of ``x [b, l, d_model]``, RoPE applied at ``rope_pos [b, l]``."""
+def _project(x: Array, p: dict[str, Array], spec: AttentionSpec, rope_pos: Array, *, xp: Namespace,
+             conv_state: Array | None = None, pad: Array | None = None) -> tuple[Array, Array, Array, Array | None]:
+    """``q [b, h, l, hd], k, v [b, kv, l, hd]`` of ``x [b, l, d_model]``, RoPE applied at ``rope_pos
+    [b, l]``, and the conv's new state (None without a conv; see :func:`qkv_conv` for the rest)."""
     h, kv, hd = spec.n_heads, spec.n_kv_heads, spec.head_dim
-    q = _heads(_linear(x, p["q_proj.weight"], p.get("q_proj.bias"), xp=xp), h, hd, xp=xp)
-    k = _heads(_linear(x, p["k_proj.weight"], p.get("k_proj.bias"), xp=xp), kv, hd, xp=xp)
-    v = _heads(_linear(x, p["v_proj.weight"], p.get("v_proj.bias"), xp=xp), kv, hd, xp=xp)
+    q, k, v = (_linear(x, p[f"{n}_proj.weight"], p.get(f"{n}_proj.bias"), xp=xp) for n in "qkv")
+    if spec.conv:
+        q, k, v, conv_state = qkv_conv(q, k, v, p, conv_state, pad, xp=xp)
+    q, k, v = _heads(q, h, hd, xp=xp), _heads(k, kv, hd, xp=xp), _heads(v, kv, hd, xp=xp)
     if spec.rotary_dim:
         cos, sin = rope_tables(rope_pos, spec.rotary_dim, spec.rope_theta, x.dtype, xp=xp)
         q, k = apply_rope(q, cos, sin, xp=xp), apply_rope(k, cos, sin, xp=xp)
-    return q, k, v
+    return q, k, v, conv_state
+
+
+def qkv_conv(q: Array, k: Array, v: Array, p: dict[str, Array], state: Array | None, pad: Array | None, *,
+             xp: Namespace) -> tuple[Array, Array, Array, Array]:
+    """mamba_ssm MHA's ``d_conv``: the projections ``q [b, l, h·hd], k, v [b, l, kv·hd]`` packed
+    as ``[b, l, c]`` through the depthwise causal conv ``conv1d.weight [c, 1, k]`` (``conv1d.bias
+    [c]``, no activation) from ``state [b, c, k]`` (None: zeros), then cut apart again:
+    ``(q, k, v, new state)``. ``pad [b]`` (left padding, or None): each row's padding is left out
+    of its window, as the Mamba mixer's conv does."""
+    widths = (q.shape[-1], k.shape[-1], v.shape[-1])
+    packed = xp.concat([q, k, v], axis=-1)  # [b, l, c]
+    weight = xp.reshape(p["conv1d.weight"], (sum(widths), -1))  # [c, 1, k] -> [c, k]
+    if pad is None:
+        y, state = causal_conv1d(packed, weight, p.get("conv1d.bias"), state, xp=xp)
+    else:
+        y, state = padded_conv(causal_conv1d, packed, weight, p.get("conv1d.bias"), state, pad, xp=xp)
+    a, b = widths[0], widths[0] + widths[1]
+    return y[..., :a], y[..., a:b], y[..., b:], state
 
 
 def _out(out: Array, p: dict[str, Array], *, xp: Namespace) -> Array:
@@ -144,19 +184,21 @@ def _out(out: Array, p: dict[str, Array], *, xp: Namespace) -> Array:
 
 
 def attention(x: Array, p: dict[str, Array], spec: AttentionSpec, cache: KVCache, start: Array, valid: Array,
-              rope_pos: Array, *, xp: Namespace) -> tuple[Array, KVCache]:
+              rope_pos: Array, *, xp: Namespace, pad: Array | None = None) -> tuple[Array, KVCache]:
     """One attention layer over ``x [b, l, d_model]`` written to slots ``start .. start+l-1``
     (``start``: the positions' ``length`` before these tokens), ``valid [b, m]`` and ``rope_pos
     [b, l]`` as :func:`advance` gives them after: ``(out [b, l, d_model], new cache)``. ``p``:
     ``q_proj/k_proj/v_proj/o_proj.weight`` (and ``.bias``). Scores are computed in float32 at
-    least; a query sees the valid slots up to its own."""
+    least; a query sees the valid slots up to its own. With a conv (``spec.conv``) also
+    ``conv1d.weight/bias``, the cache's conv state continues and ``pad [b]`` (each row's left
+    padding in x, or None) keeps padding out of it."""
     l = x.shape[1]
-    q, k, v = _project(x, p, spec, rope_pos, xp=xp)
+    q, k, v, conv = _project(x, p, spec, rope_pos, xp=xp, conv_state=cache.conv, pad=pad)
     m = cache.k.shape[2]
     slots = xp.arange(m, dtype=xp.int64, device=device(x))
     query_slot = start + xp.arange(l, dtype=xp.int64, device=device(x))  # [l]
     hit = slots[None, :] == query_slot[:, None]  # [l, m]
-    cache = KVCache(_write(cache.k, k, hit, xp=xp), _write(cache.v, v, hit, xp=xp))
+    cache = KVCache(_write(cache.k, k, hit, xp=xp), _write(cache.v, v, hit, xp=xp), conv)
     visible = (slots[None, :] <= query_slot[:, None])[None, :, :] & valid[:, None, :]  # [b, l, m]
     return _out(attend(q, cache.k, cache.v, visible, spec.scale, xp=xp), p, xp=xp), cache
 
@@ -185,6 +227,6 @@ def attention_ref(x: Array, p: dict[str, Array], spec: AttentionSpec, *, xp: Nam
     (positions 0..l-1, a plain causal mask): the oracle for the cache bookkeeping."""
     b, l, _ = x.shape
     idx = xp.arange(l, dtype=xp.int64, device=device(x))
-    q, k, v = _project(x, p, spec, xp.broadcast_to(idx[None, :], (b, l)), xp=xp)
+    q, k, v, _ = _project(x, p, spec, xp.broadcast_to(idx[None, :], (b, l)), xp=xp)  # a conv starts from zeros
     causal = xp.broadcast_to((idx[None, :] <= idx[:, None])[None, :, :], (b, l, l))  # [b, l, l]
     return _out(attend(q, k, v, causal, spec.scale, xp=xp), p, xp=xp)

@@ -7,10 +7,17 @@
 Weights: MHA's ``in_proj [(h + 2·kv)·hd, d]`` packs q, k, v (split here) and ``out_proj`` is
 o_proj; RoPE (flash_attn's, not interleaved) on the first ``rotary_emb_dim`` channels; fc1
 ``[2f, d]`` packs ``[y; gate]`` for ``fc2(y · silu(gate))`` (swapped here into the stack's
-``[gate; up]``). The Mamba-2 gated norm's eps is 1e-5 whatever ``norm_epsilon`` (mamba_ssm fixes
-it). The vocabulary is padded to ``pad_vocab_size_multiple`` rows; generation never picks a
-padding row. The config has no ``model_type``: :func:`portable_ssm.io.layouts.is_state_spaces_hybrid`
-routes it here; the pure Mamba-2 layout (no attention, no MLP) stays with the whole-model stack.
+``[gate; up]``). With ``attn_cfg.d_conv = k > 0`` MHA's ``conv1d [(h + 2·kv)·hd, 1, k]`` (and
+its bias) is a depthwise causal conv, no activation, over the packed projections before the q/k/v
+split and RoPE (``AttentionSpec.conv``). It follows MHA's ``forward`` (the model's definition):
+mamba_ssm's own cached decoding stores the prompt's conv *outputs* as the conv state where its
+one-token step reads *inputs*, so its first d_conv - 1 decoded steps (and through the KV cache
+every later one) differ from its forward; here a prefill plus one-token steps give the forward's
+logits (the loader's note says so). The Mamba-2 gated norm's eps is 1e-5 whatever
+``norm_epsilon`` (mamba_ssm fixes it). The vocabulary is padded to ``pad_vocab_size_multiple``
+rows; generation never picks a padding row. The config has no ``model_type``:
+:func:`portable_ssm.io.layouts.is_state_spaces_hybrid` routes it here; the pure Mamba-2 layout
+(no attention, no MLP) stays with the whole-model stack.
 """
 
 from __future__ import annotations
@@ -62,9 +69,12 @@ def _attention(raw: Any, d: int) -> AttentionSpec:
     unknown = sorted(k for k in a.raw if k not in _ATTN_KEYS)
     if unknown:
         raise CheckpointError(f"attn_cfg.{unknown[0]:.80}: not an argument of mamba_ssm's MHA")
-    for key, supported, default in (("d_conv", 0, 0), ("mlp_dim", 0, 0), ("rotary_emb_interleaved", False, False),
+    for key, supported, default in (("mlp_dim", 0, 0), ("rotary_emb_interleaved", False, False),
                                     ("causal", True, False)):
         require(a.get(key, default), (supported,), f"attn_cfg.{key}")
+    conv = a.int("d_conv", 0)
+    if conv < 0 or conv == 1:  # MHA's own conv path cuts d_conv - 1 = 0 steps: an empty output
+        raise CheckpointError(f"attn_cfg.d_conv: expected 0 (no conv) or an int >= 2, got {conv}")
     heads = a.int("num_heads")
     if heads <= 0:
         raise CheckpointError(f"attn_cfg.num_heads: expected a positive int, got {heads}")
@@ -86,7 +96,7 @@ def _attention(raw: Any, d: int) -> AttentionSpec:
         if not value > 0:
             raise CheckpointError(f"attn_cfg.{key}: expected a positive number, got {value}")
     return AttentionSpec(heads, kv, hd, scale, rotary_dim=rotary, rope_theta=base,
-                         bias=a.bool("qkv_proj_bias", True), out_bias=a.bool("out_proj_bias", True))
+                         bias=a.bool("qkv_proj_bias", True), out_bias=a.bool("out_proj_bias", True), conv=conv)
 
 
 def _attention_layers(raw: Any, n: int) -> set[int]:
@@ -122,7 +132,11 @@ def config(raw: Any) -> tuple[HybridConfig, tuple[str, ...]]:
         d_ff=f, norm_eps=whole.norm_eps, tie_embeddings=whole.tie_embeddings, family="mamba_ssm")
     gate = ("y * silu(z), no norm (ssm_cfg.rmsnorm false)" if not mamba.rmsnorm else
             "rmsnorm(y) * silu(z) per group" if mamba.norm_before_gate else "rmsnorm(y * silu(z)) per group")
-    return cfg, (f"Mamba mixer: {gate}, eps 1e-5 (mamba_ssm's RMSNormGated)",)
+    notes = (f"Mamba mixer: {gate}, eps 1e-5 (mamba_ssm's RMSNormGated)",)
+    if cfg.attention is not None and cfg.attention.conv:
+        notes += (f"attention conv: d_conv {cfg.attention.conv} over packed q/k/v, as MHA's forward; cached steps "
+                  f"equal it (mamba_ssm's own cached decoding keeps conv outputs as its state and does not)",)
+    return cfg, notes
 
 
 def vocab_size(raw: Any) -> int:
