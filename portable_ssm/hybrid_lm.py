@@ -100,7 +100,7 @@ class HybridLM:
                                   f"conv {m.d_conv}"))
         if c.attention is not None and c.indices("attention"):
             a = c.attention
-            conv = f", conv {a.conv}" if a.conv else ""
+            conv = (f", conv {a.conv}" if a.conv else "") + (f", mlp {a.mlp}" if a.mlp else "")
             rows.append(("attention", f"heads {a.n_heads}, kv heads {a.n_kv_heads}, head_dim {a.head_dim}, "
                                       f"rotary {a.rotary_dim or 'none (nope)'}{conv}"))
         return rows + [("note", note) for note in self.notes]

@@ -324,7 +324,7 @@ def param_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
             a, din = config.attention, 2 * d if mix == "shared" else d
             q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
             for name, shape in (("q_proj", (q, din)), ("k_proj", (kv, din)), ("v_proj", (kv, din)),
-                                ("o_proj", (d, q))):
+                                ("o_proj", (d, q + a.mlp))) + ((("mlp_in", (2 * a.mlp, din)),) if a.mlp else ()):
                 shapes[f"{pre}{name}.weight"] = shape
                 if a.out_bias if name == "o_proj" else a.bias:
                     shapes[f"{pre}{name}.bias"] = (shape[0],)

@@ -76,6 +76,13 @@ VARIANTS = {
         out_bias=False, conv=True,
         attn_cfg=dict(causal=True, d_conv=4, head_dim=HD, num_heads=4, out_proj_bias=False, qkv_proj_bias=False,
                       rotary_emb_dim=HD // 2), file="model.safetensors"),
+    # MHA's inner MLP: mlp_dim 200 rounded up to 256 rows of in_proj ([up; gate], no conv on them),
+    # out_proj reading 128 more columns; a d_conv of 3, GQA, MHA's default biases (both on)
+    "attention_conv_mlp": dict(
+        bamba=dict(intermediate_size=128, tie_word_embeddings=True), vocab=64, mlp=True, qkv_bias=True,
+        out_bias=True, conv=True,
+        attn_cfg=dict(causal=True, d_conv=3, mlp_dim=200, head_dim=HD, num_heads=4, num_heads_kv=2,
+                      rotary_emb_dim=HD // 2), file="model.safetensors"),
 }
 
 
@@ -83,21 +90,25 @@ class ConvMHA(torch.nn.Module):
     """mamba_ssm's MHA forward with ``d_conv`` (no cache) in plain torch, Bamba's attention's call
     signature: ``in_proj`` -> depthwise causal ``F.conv1d`` over packed ``[q; k; v]`` (bias, no
     activation) -> heads -> RoPE (rotate_half) on the first rotary_emb_dim channels at positions
-    0..l-1 -> causal softmax attention -> ``out_proj``. Rows are unpadded (no mask is read)."""
+    0..l-1 -> causal softmax attention -> ``out_proj``; with ``mlp_dim`` (rounded up to 256)
+    in_proj's last rows are ``[up; gate]`` and out_proj reads ``[context; up · silu(gate)]``.
+    Rows are unpadded (no mask is read)."""
 
     def __init__(self, d: int, cfg: dict) -> None:
         super().__init__()
         self.h, self.hd, self.r, self.k = cfg["num_heads"], cfg["head_dim"], cfg["rotary_emb_dim"], cfg["d_conv"]
         self.kv = cfg.get("num_heads_kv", self.h)
-        c = (self.h + 2 * self.kv) * self.hd
-        self.in_proj = torch.nn.Linear(d, c, bias=cfg["qkv_proj_bias"])
+        c, self.m = (self.h + 2 * self.kv) * self.hd, -(-cfg.get("mlp_dim", 0) // 256) * 256
+        self.in_proj = torch.nn.Linear(d, c + self.m, bias=cfg.get("qkv_proj_bias", True))
         self.conv1d = torch.nn.Conv1d(c, c, self.k, groups=c)
-        self.out_proj = torch.nn.Linear(self.h * self.hd, d, bias=cfg["out_proj_bias"])
+        self.out_proj = torch.nn.Linear(self.h * self.hd + self.m // 2, d, bias=cfg.get("out_proj_bias", True))
 
     def forward(self, hidden_states, **_):
         b, l, _ = hidden_states.shape
-        qkv = self.in_proj(hidden_states).transpose(1, 2)  # [b, c, l]
         F = torch.nn.functional
+        qkv, mlp = self.in_proj(hidden_states).split([self.conv1d.weight.shape[0], self.m], dim=-1)
+        up, gate = mlp.chunk(2, dim=-1)
+        qkv = qkv.transpose(1, 2)  # [b, c, l]
         qkv = F.conv1d(qkv, self.conv1d.weight, self.conv1d.bias, padding=self.k - 1, groups=qkv.shape[1])
         qkv = qkv[..., :l].transpose(1, 2)  # the causal outputs, [b, l, c]
         q, k, v = qkv.split([self.h * self.hd, self.kv * self.hd, self.kv * self.hd], dim=-1)
@@ -116,7 +127,7 @@ class ConvMHA(torch.nn.Module):
         scores = q @ k.transpose(-1, -2) * self.hd ** -0.5
         scores = scores.masked_fill(~torch.ones(l, l, dtype=torch.bool).tril(), float("-inf"))
         context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, l, self.h * self.hd)
-        return self.out_proj(context), None
+        return self.out_proj(torch.cat([context, up * F.silu(gate)], dim=-1)), None
 
 
 def _bamba(variant: dict, seed: int = 0):
@@ -328,7 +339,8 @@ REFUSALS = [
     ("attn_cfg.d_conv", dict(attn_cfg=dict(d_conv=1))),  # MHA's own forward returns nothing for 1
     ("attn_cfg.d_conv", dict(attn_cfg=dict(d_conv=-1))),
     ("attn_cfg.d_conv", dict(attn_cfg=dict(d_conv="4"))),
-    ("attn_cfg.mlp_dim", dict(attn_cfg=dict(mlp_dim=64))),
+    ("attn_cfg.mlp_dim", dict(attn_cfg=dict(mlp_dim=-64))),
+    ("attn_cfg.mlp_dim", dict(attn_cfg=dict(mlp_dim=64.0))),
     ("attn_cfg.rotary_emb_interleaved", dict(attn_cfg=dict(rotary_emb_interleaved=True))),
     ("attn_cfg.causal", dict(attn_cfg=dict(causal=False))),
     ("attn_cfg.causal", dict(attn_cfg=dict(causal=_DROP))),  # MHA's default is causal=False

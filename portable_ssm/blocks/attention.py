@@ -14,7 +14,10 @@ With ``AttentionSpec.conv = k > 0`` (mamba_ssm's ``MHA(d_conv=k)``) the packed p
 k; v]`` pass a depthwise causal conv (:func:`portable_ssm.conv.causal_conv1d`, with bias, no
 activation) before the heads are split and RoPE applied; the cache then also keeps the conv's
 last k inputs per row, ``conv [b, c, k]`` (the Mamba mixer's conv-state layout), and left padding
-never enters a row's conv window (:func:`portable_ssm.padding.padded_conv`).
+never enters a row's conv window (:func:`portable_ssm.padding.padded_conv`). With
+``AttentionSpec.mlp = f > 0`` (mamba_ssm's ``mlp_dim = 2f``) a gated SiLU MLP runs beside the
+heads on the same input: ``mlp_in [2f, d_model]`` gives ``[up; gate]`` and o_proj ``[d_model,
+h·hd + f]`` reads ``concat(heads, up · silu(gate))``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .._array import Array, Namespace, compute_dtype, device
+from .._array import Array, Namespace, compute_dtype, device, silu
 from ..conv import causal_conv1d
 from ..mixer import _linear
 from ..padding import padded_conv
@@ -41,6 +44,7 @@ class AttentionSpec:
     bias: bool = False  # biases on the q/k/v projections (and o_proj unless out_bias says otherwise)
     out_bias: bool | None = None  # bias on o_proj; None: as ``bias`` (mamba_ssm sets the two apart)
     conv: int = 0  # k of a depthwise causal conv (with bias) over the packed [q; k; v] before RoPE; 0: none
+    mlp: int = 0  # f of a gated SiLU MLP beside the heads, sharing o_proj (mlp_in biased as q/k/v); 0: none
 
     def __post_init__(self) -> None:
         for name in ("n_heads", "n_kv_heads", "head_dim"):
@@ -53,8 +57,10 @@ class AttentionSpec:
         if not isinstance(self.bias, bool) or not isinstance(self.out_bias, (bool, type(None))):
             raise TypeError(f"AttentionSpec.bias, out_bias: expected True or False (out_bias also None), got "
                             f"{self.bias!r}, {self.out_bias!r}")
-        if isinstance(self.conv, bool) or not isinstance(self.conv, int) or self.conv < 0:
-            raise ValueError(f"AttentionSpec.conv: expected an int >= 0 (0: no conv), got {self.conv!r}")
+        for name in ("conv", "mlp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"AttentionSpec.{name}: expected an int >= 0 (0: none), got {value!r}")
         if self.out_bias is None:
             object.__setattr__(self, "out_bias", self.bias)
         if not (0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
@@ -176,11 +182,22 @@ def qkv_conv(q: Array, k: Array, v: Array, p: dict[str, Array], state: Array | N
     return y[..., :a], y[..., a:b], y[..., b:], state
 
 
-def _out(out: Array, p: dict[str, Array], *, xp: Namespace) -> Array:
-    """o_proj of the heads ``[b, h, l, hd]`` -> ``[b, l, d_model]``."""
+def _out(out: Array, p: dict[str, Array], *, xp: Namespace, mlp: Array | None = None) -> Array:
+    """o_proj of the heads ``[b, h, l, hd]`` (then ``mlp [b, l, f]``, see :func:`inner_mlp`) -> ``[b, l, d_model]``."""
     b, h, l, hd = out.shape
     out = xp.reshape(xp.permute_dims(out, (0, 2, 1, 3)), (b, l, h * hd))  # [b, h, l, hd] -> [b, l, h·hd]
+    if mlp is not None:
+        out = xp.concat([out, mlp], axis=-1)  # [b, l, h·hd + f]
     return _linear(out, p["o_proj.weight"], p.get("o_proj.bias"), xp=xp)
+
+
+def inner_mlp(x: Array, p: dict[str, Array], spec: AttentionSpec, *, xp: Namespace) -> Array | None:
+    """The MLP beside the heads (``spec.mlp = f``; None without one): ``up · silu(gate) [b, l, f]``
+    of ``mlp_in(x) = [up; gate] [b, l, 2f]`` (mamba_ssm MHA's ``mlp_dim`` part of ``in_proj``)."""
+    if not spec.mlp:
+        return None
+    both = _linear(x, p["mlp_in.weight"], p.get("mlp_in.bias"), xp=xp)  # [b, l, 2f]
+    return both[..., :spec.mlp] * silu(both[..., spec.mlp:], xp=xp)
 
 
 def attention(x: Array, p: dict[str, Array], spec: AttentionSpec, cache: KVCache, start: Array, valid: Array,
@@ -200,7 +217,8 @@ def attention(x: Array, p: dict[str, Array], spec: AttentionSpec, cache: KVCache
     hit = slots[None, :] == query_slot[:, None]  # [l, m]
     cache = KVCache(_write(cache.k, k, hit, xp=xp), _write(cache.v, v, hit, xp=xp), conv)
     visible = (slots[None, :] <= query_slot[:, None])[None, :, :] & valid[:, None, :]  # [b, l, m]
-    return _out(attend(q, cache.k, cache.v, visible, spec.scale, xp=xp), p, xp=xp), cache
+    out = _out(attend(q, cache.k, cache.v, visible, spec.scale, xp=xp), p, xp=xp, mlp=inner_mlp(x, p, spec, xp=xp))
+    return out, cache
 
 
 def attend(q: Array, k: Array, v: Array, visible: Array, scale: float, *, xp: Namespace) -> Array:
@@ -229,4 +247,4 @@ def attention_ref(x: Array, p: dict[str, Array], spec: AttentionSpec, *, xp: Nam
     idx = xp.arange(l, dtype=xp.int64, device=device(x))
     q, k, v, _ = _project(x, p, spec, xp.broadcast_to(idx[None, :], (b, l)), xp=xp)  # a conv starts from zeros
     causal = xp.broadcast_to((idx[None, :] <= idx[:, None])[None, :, :], (b, l, l))  # [b, l, l]
-    return _out(attend(q, k, v, causal, spec.scale, xp=xp), p, xp=xp)
+    return _out(attend(q, k, v, causal, spec.scale, xp=xp), p, xp=xp, mlp=inner_mlp(x, p, spec, xp=xp))

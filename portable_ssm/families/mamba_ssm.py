@@ -9,11 +9,14 @@ o_proj; RoPE (flash_attn's, not interleaved) on the first ``rotary_emb_dim`` cha
 ``[2f, d]`` packs ``[y; gate]`` for ``fc2(y · silu(gate))`` (swapped here into the stack's
 ``[gate; up]``). With ``attn_cfg.d_conv = k > 0`` MHA's ``conv1d [(h + 2·kv)·hd, 1, k]`` (and
 its bias) is a depthwise causal conv, no activation, over the packed projections before the q/k/v
-split and RoPE (``AttentionSpec.conv``). It follows MHA's ``forward`` (the model's definition):
-mamba_ssm's own cached decoding stores the prompt's conv *outputs* as the conv state where its
-one-token step reads *inputs*, so its first d_conv - 1 decoded steps (and through the KV cache
-every later one) differ from its forward; here a prefill plus one-token steps give the forward's
-logits (the loader's note says so). The Mamba-2 gated norm's eps is 1e-5 whatever
+split and RoPE (``AttentionSpec.conv``). With ``attn_cfg.mlp_dim`` (rounded up to a multiple of
+256) that many more rows of ``in_proj`` are ``[up; gate]`` of an MLP beside the heads (no conv on
+them), whose ``up · silu(gate)`` ``out_proj`` reads after the heads (``AttentionSpec.mlp``, split
+here as ``mlp_in``). The conv follows MHA's ``forward`` (the model's definition): mamba_ssm's
+own cached decoding stores the prompt's conv *outputs* as the conv state where its one-token step
+reads *inputs*, so its first d_conv - 1 decoded steps (and through the KV cache every later one)
+differ from its forward; here a prefill plus one-token steps give the forward's logits (the
+loader's note says so). The Mamba-2 gated norm's eps is 1e-5 whatever
 ``norm_epsilon`` (mamba_ssm fixes it). The vocabulary is padded to ``pad_vocab_size_multiple``
 rows; generation never picks a padding row. The config has no ``model_type``:
 :func:`portable_ssm.io.layouts.is_state_spaces_hybrid` routes it here; the pure Mamba-2 layout
@@ -36,6 +39,7 @@ from ._common import apply_rules, require
 MODEL_TYPES: tuple[str, ...] = ()  # routed by the config's keys, not by a model_type
 MULTIPLE_OF = 128  # GatedMLP's multiple_of: the hidden size d_intermediate is rounded up to
 GATED_NORM_EPS = 1e-5  # Mamba2's RMSNormGated(eps=1e-5)
+MLP_DIM_MULTIPLE = 256  # MHA rounds mlp_dim (in_proj's [up; gate] rows) up to a multiple of it
 
 #: MHA's keyword arguments (mamba_ssm.modules.mha.MHA); any other key in attn_cfg is refused.
 _ATTN_KEYS = ("num_heads", "num_heads_kv", "head_dim", "mlp_dim", "qkv_proj_bias", "out_proj_bias", "softmax_scale",
@@ -69,12 +73,14 @@ def _attention(raw: Any, d: int) -> AttentionSpec:
     unknown = sorted(k for k in a.raw if k not in _ATTN_KEYS)
     if unknown:
         raise CheckpointError(f"attn_cfg.{unknown[0]:.80}: not an argument of mamba_ssm's MHA")
-    for key, supported, default in (("mlp_dim", 0, 0), ("rotary_emb_interleaved", False, False),
-                                    ("causal", True, False)):
+    for key, supported, default in (("rotary_emb_interleaved", False, False), ("causal", True, False)):
         require(a.get(key, default), (supported,), f"attn_cfg.{key}")
     conv = a.int("d_conv", 0)
     if conv < 0 or conv == 1:  # MHA's own conv path cuts d_conv - 1 = 0 steps: an empty output
         raise CheckpointError(f"attn_cfg.d_conv: expected 0 (no conv) or an int >= 2, got {conv}")
+    mlp_dim = a.int("mlp_dim", 0)
+    if mlp_dim < 0:
+        raise CheckpointError(f"attn_cfg.mlp_dim: expected an int >= 0, got {mlp_dim}")
     heads = a.int("num_heads")
     if heads <= 0:
         raise CheckpointError(f"attn_cfg.num_heads: expected a positive int, got {heads}")
@@ -96,7 +102,8 @@ def _attention(raw: Any, d: int) -> AttentionSpec:
         if not value > 0:
             raise CheckpointError(f"attn_cfg.{key}: expected a positive number, got {value}")
     return AttentionSpec(heads, kv, hd, scale, rotary_dim=rotary, rope_theta=base,
-                         bias=a.bool("qkv_proj_bias", True), out_bias=a.bool("out_proj_bias", True), conv=conv)
+                         bias=a.bool("qkv_proj_bias", True), out_bias=a.bool("out_proj_bias", True), conv=conv,
+                         mlp=-(-mlp_dim // MLP_DIM_MULTIPLE) * MLP_DIM_MULTIPLE // 2)
 
 
 def _attention_layers(raw: Any, n: int) -> set[int]:
@@ -162,12 +169,15 @@ def rename(tensors: dict[str, Any], cfg: HybridConfig, raw: Any = None) -> dict[
     for i, (mix, _) in enumerate(cfg.layers):
         pre = f"layers.{i}.mixer."
         if mix == "attention":
-            q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+            q, kv, m = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, 2 * a.mlp
+            rows, names = [q, kv, kv] + ([m] if m else []), ["q_proj", "k_proj", "v_proj", "mlp_in"]
+            why = f"q {q} + k {kv} + v {kv}" + (f" + mlp {m}: mlp_dim rounded up to a multiple of "
+                                                f"{MLP_DIM_MULTIPLE}" if m else "")
             for leaf in ("weight", "bias"):
                 if pre + f"in_proj.{leaf}" in out:
-                    parts = _split(out.pop(pre + f"in_proj.{leaf}"), [q, kv, kv],
-                                   f"backbone.layers.{i}.mixer.in_proj.{leaf}", f"q {q} + k {kv} + v {kv}")
-                    out.update({f"{pre}{p}_proj.{leaf}": v for p, v in zip("qkv", parts)})
+                    parts = _split(out.pop(pre + f"in_proj.{leaf}"), rows, f"backbone.layers.{i}.mixer.in_proj.{leaf}",
+                                   why)
+                    out.update({f"{pre}{name}.{leaf}": v for name, v in zip(names, parts)})
                 if pre + f"out_proj.{leaf}" in out:
                     out[pre + f"o_proj.{leaf}"] = out.pop(pre + f"out_proj.{leaf}")
         if f"layers.{i}.FC1" in out:
