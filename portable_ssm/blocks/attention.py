@@ -208,7 +208,8 @@ def attention(x: Array, p: dict[str, Array], spec: AttentionSpec, cache: KVCache
     ``q_proj/k_proj/v_proj/o_proj.weight`` (and ``.bias``). Scores are computed in float32 at
     least; a query sees the valid slots up to its own. With a conv (``spec.conv``) also
     ``conv1d.weight/bias``, the cache's conv state continues and ``pad [b]`` (each row's left
-    padding in x, or None) keeps padding out of it."""
+    padding in x, or None) keeps padding out of it; with an inner MLP (``spec.mlp``) also
+    ``mlp_in.weight`` (``.bias`` with ``spec.bias``), o_proj then ``[d_model, h·hd + f]``."""
     l = x.shape[1]
     q, k, v, conv = _project(x, p, spec, rope_pos, xp=xp, conv_state=cache.conv, pad=pad)
     m = cache.k.shape[2]
