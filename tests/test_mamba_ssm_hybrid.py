@@ -531,3 +531,19 @@ def test_a_state_without_the_attention_conv_state_is_refused(conv_case):
 def test_attention_spec_refuses_a_conv_that_is_not_an_int_at_least_0(conv):
     with pytest.raises(ValueError, match="AttentionSpec.conv"):
         AttentionSpec(4, 4, 8, 1.0, conv=conv)
+
+
+def test_an_in_proj_of_the_unrounded_mlp_dim_is_refused_naming_the_rounding(tmp_path):
+    """mlp_dim 200 means 256 rows of [up; gate] in in_proj (MHA rounds it up to 256): a checkpoint
+    with 200 rows is refused naming in_proj and the rounding, not read misaligned."""
+    variant = VARIANTS["attention_conv_mlp"]
+    save_mamba_ssm(_bamba(variant).eval(), variant, tmp_path)
+    weights = safetensors_torch.load_file(tmp_path / "model.safetensors")
+    mixer = "backbone.layers.1.mixer."
+    for leaf in ("weight", "bias"):
+        weights[mixer + f"in_proj.{leaf}"] = weights[mixer + f"in_proj.{leaf}"][:64 + 200].contiguous()
+    weights[mixer + "out_proj.weight"] = weights[mixer + "out_proj.weight"][:, :32 + 100].contiguous()
+    safetensors_torch.save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"in_proj.weight' has shape \(264, 32\).*mlp 256: mlp_dim rounded up "
+                                              r"to a multiple of 256"):
+        portable_ssm.load_pretrained(tmp_path)
