@@ -151,7 +151,7 @@ class HybridLM:
         elif not isinstance(state, HybridState):
             raise TypeError(f"state: expected a HybridState, got {type(state).__name__}")
         check_attention_convs(self.config, state)
-        check_room(state, l)
+        check_room(state, l, xp=self._xp)
         x = embed_tokens(input_ids, self.params, self.config, xp=self._xp)
         hidden, state = run_layers(x, self.params, self.config, state, tokens, pad, xp=self._xp)
         return head(hidden, self.params, self.config, xp=self._xp), state
@@ -167,22 +167,29 @@ class HybridLM:
         With ``state_batch_indices [b]`` (distinct ints, :mod:`portable_ssm.state_pool`) ``state``
         is a pool of slots (:meth:`empty_state` of the pool's size, requests put in with
         :meth:`pool_put`): row i reads and updates slot ``state_batch_indices[i]``, every other slot
-        is returned as it was. The pool's KV caches advance one slot per pool step, whoever steps
-        (a slot's skipped KV slots stay invalid), so ``max_len`` bounds the pool's steps."""
+        is returned as it was. Each slot keeps its own KV write position, so a request's tokens
+        fill only its own slot's KV caches, whoever else steps: ``max_len`` bounds each request's
+        tokens (prompt and new), never the pool's steps, and a slot freed and reused starts over
+        from the state put into it. A row with no KV slot left is a ValueError naming it."""
         xp = self._xp
         if not isinstance(state, HybridState):
             raise TypeError(f"state: expected a HybridState, got {type(state).__name__}")
         namespace(token=token, **{"params['embedding.weight']": self.params["embedding.weight"]})
         check_attention_convs(self.config, state)
-        if state_batch_indices is not None:
-            Shapes().check("token", token, ("b",))
-            check_state_batch_indices(state_batch_indices, state.positions.valid.shape[0], token.shape[0],
-                                      "token", token, xp=xp)
-            logits, rows = self.step(token, gather_hybrid(state, state_batch_indices, xp=xp))
-            return logits, scatter_hybrid(state, state_batch_indices, rows, xp=xp)
+        if state_batch_indices is None:
+            return self._step_rows(token, state, None)
+        Shapes().check("token", token, ("b",))
+        check_state_batch_indices(state_batch_indices, state.positions.valid.shape[0], token.shape[0],
+                                  "token", token, xp=xp)
+        logits, rows = self._step_rows(token, gather_hybrid(state, state_batch_indices, xp=xp), state_batch_indices)
+        return logits, scatter_hybrid(state, state_batch_indices, rows, xp=xp)
+
+    def _step_rows(self, token: Array, state: HybridState, slots: Array | None) -> tuple[Array, HybridState]:
+        """:meth:`step` of ``token [b]`` on the rows ``state`` (the pool's ``slots``, or None)."""
+        xp = self._xp
         Shapes(b=state.positions.valid.shape[0]).check("token", token, ("b",))
         check_token_ids("token", token, self.config.vocab_size, xp=xp)
-        check_room(state, 1)
+        check_room(state, 1, slots=slots, xp=xp)
         tokens = xp.ones((token.shape[0], 1), dtype=xp.bool, device=device(token))
         x = embed_tokens(token, self.params, self.config, xp=xp)
         hidden, state = run_layers(x, self.params, self.config, state, tokens, None, xp=xp, one_token=True)

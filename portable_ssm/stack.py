@@ -120,7 +120,7 @@ class HybridState(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        """Slots of the KV caches: tokens this state can hold in all."""
+        """Slots of each row's KV caches: the tokens each row (a pool slot: each request) can hold."""
         return self.positions.valid.shape[1]
 
 
@@ -247,29 +247,25 @@ def embed_tokens(ids: Array, params: dict[str, Array], config: HybridConfig, *, 
 
 
 def _map_rows(fn: Any, pool: HybridState, rows: HybridState) -> HybridState:
-    """``fn(pool array, rows array)`` over every per-row array of two HybridStates of one config
-    (the shared ``positions.length`` stays the pool's)."""
+    """``fn(pool array, rows array)`` over every per-row array of two HybridStates of one config."""
     return HybridState(
         conv=tuple(fn(a, r) for a, r in zip(pool.conv, rows.conv)),
         ssm=tuple(fn(a, r) for a, r in zip(pool.ssm, rows.ssm)),
         kv=tuple(KVCache(fn(a.k, r.k), fn(a.v, r.v), None if a.conv is None else fn(a.conv, r.conv))
                  for a, r in zip(pool.kv, rows.kv)),
-        positions=pool.positions._replace(valid=fn(pool.positions.valid, rows.positions.valid),
-                                          seen=fn(pool.positions.seen, rows.positions.seen)))
+        positions=Positions(*(fn(a, r) for a, r in zip(pool.positions, rows.positions))))
 
 
 def gather_hybrid(pool: HybridState, indices: Array, *, xp: Namespace) -> HybridState:
-    """The slots ``indices [b]`` of a pool of HybridStates (SSM, conv and KV caches, per-slot
-    valid slots and token counts); the pool's shared write position stays."""
+    """The slots ``indices [b]`` of a pool of HybridStates (SSM, conv and KV caches, and each
+    slot's positions: its valid KV slots, slots written and tokens seen)."""
     return _map_rows(lambda a, _: gather_rows(a, indices, xp=xp), pool, pool)
 
 
 def scatter_hybrid(pool: HybridState, indices: Array, rows: HybridState, *, xp: Namespace) -> HybridState:
-    """A new pool with the slots ``indices`` replaced by ``rows``; its write position the later of
-    the two (a slot's unwritten KV slots are invalid, so rows need not share one)."""
-    out = _map_rows(lambda a, r: scatter_rows(a, indices, r, xp=xp), pool, rows)
-    length = xp.maximum(pool.positions.length, rows.positions.length)
-    return out._replace(positions=out.positions._replace(length=length))
+    """A new pool with the slots ``indices`` replaced by ``rows``, each with its own positions (a
+    request put in keeps its count of slots written; a reused slot starts from its new rows')."""
+    return _map_rows(lambda a, r: scatter_rows(a, indices, r, xp=xp), pool, rows)
 
 
 def check_attention_convs(config: HybridConfig, state: HybridState, name: str = "state") -> None:
@@ -288,12 +284,16 @@ def check_attention_convs(config: HybridConfig, state: HybridState, name: str = 
                              f"this model's empty_state")
 
 
-def check_room(state: HybridState, new: int) -> None:
-    """ValueError when ``new`` more tokens do not fit the state's KV caches (skipped when traced)."""
-    length = state.positions.length
-    if not is_traced(length) and int(length) + new > state.max_len:
-        raise ValueError(f"state: its KV caches hold max_len = {state.max_len} tokens, {int(length)} are written, "
-                         f"{new} more do not fit; start from a state with a larger max_len")
+def check_room(state: HybridState, new: int, *, slots: Array | None = None, xp: Namespace) -> None:
+    """ValueError naming the first row whose KV caches cannot take ``new`` more tokens (skipped
+    when traced); ``slots [b]``: the pool slots the rows are, named with them."""
+    length = state.positions.length  # [b]
+    if is_traced(length) or length.shape[0] == 0 or int(xp.max(length)) + new <= state.max_len:
+        return
+    row = int(xp.argmax(xp.astype(length + new > state.max_len, xp.int8)))
+    which = f"row {row}" if slots is None else f"row {row} (pool slot {int(slots[row])})"
+    raise ValueError(f"state: {which} has {int(length[row])} of its max_len = {state.max_len} KV slots written, "
+                     f"{new} more do not fit; start it from a state with a larger max_len")
 
 
 def param_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:

@@ -5,10 +5,12 @@ Shape legend: b batch, l new tokens, m cache slots (max_len), h query heads, kv 
 c = (h + 2·kv)·hd packed q/k/v channels.
 
 The cache never changes shape: ``k, v [b, kv, m, hd]`` and ``valid [b, m]`` (which slots hold a
-real token, not left padding), ``length`` (slots written, a 0-d int array, so a jitted step does
-not retrace per position) and ``seen [b]`` (each row's real tokens so far: its next RoPE position,
-so a left-padded row is encoded as if alone). New keys land in slots ``length .. length+l-1``
-through a one-hot ``[l, m]`` matrix and ``where`` (no in-place writes, no data-dependent shapes).
+real token, not left padding), ``length [b]`` (each row's slots written: an array, so a jitted
+step does not retrace per position, and per row, so the rows of a state pool fill their own
+slots whoever else steps) and ``seen [b]`` (each row's real tokens so far: its next RoPE position,
+so a left-padded row is encoded as if alone). A row's new keys land in its slots ``length ..
+length+l-1`` through a one-hot ``[b, l, m]`` and ``where`` (no in-place writes, no
+data-dependent shapes).
 
 With ``AttentionSpec.conv = k > 0`` (mamba_ssm's ``MHA(d_conv=k)``) the packed projections ``[q;
 k; v]`` pass a depthwise causal conv (:func:`portable_ssm.conv.causal_conv1d`, with bias, no
@@ -81,7 +83,7 @@ class Positions(NamedTuple):
     """The slot bookkeeping every attention layer of a stack shares (see the module docstring)."""
 
     valid: Array  # [b, m] bool
-    length: Array  # [] int64: slots written
+    length: Array  # [b] int64: slots written per row
     seen: Array  # [b] int64: real tokens per row
 
 
@@ -101,21 +103,30 @@ def qkv_width(spec: AttentionSpec) -> int:
 def empty_positions(batch: int, max_len: int, like: Array, *, xp: Namespace) -> Positions:
     """No slot written yet."""
     dev = device(like)
-    return Positions(xp.zeros((batch, max_len), dtype=xp.bool, device=dev), xp.asarray(0, dtype=xp.int64, device=dev),
-                     xp.zeros((batch,), dtype=xp.int64, device=dev))
+    counts = xp.zeros((batch,), dtype=xp.int64, device=dev)
+    return Positions(xp.zeros((batch, max_len), dtype=xp.bool, device=dev), counts, counts)
 
 
 def advance(pos: Positions, tokens: Array, *, xp: Namespace) -> tuple[Positions, Array]:
     """``(positions after writing l new slots, the new tokens' RoPE positions [b, l])``; ``tokens
     [b, l]`` bool marks real tokens (False: left padding). A padding slot gets position 0."""
-    b, m = pos.valid.shape
     l = tokens.shape[1]
-    slots = xp.arange(m, dtype=xp.int64, device=device(tokens))
-    hit = slots[None, :] == (pos.length + xp.arange(l, dtype=xp.int64, device=device(tokens)))[:, None]  # [l, m]
-    written = xp.any(hit[None, :, :] & tokens[:, :, None], axis=1)  # [b, m]
+    hit = slot_hits(pos.length, l, pos.valid.shape[1], xp=xp)  # [b, l, m]
+    written = xp.any(hit & tokens[:, :, None], axis=1)  # [b, m]
     counts = xp.cumulative_sum(xp.astype(tokens, xp.int64), axis=1)  # [b, l]
     rope_pos = xp.where(tokens, pos.seen[:, None] + counts - 1, xp.zeros_like(counts))  # [b, l]
     return Positions(pos.valid | written, pos.length + l, pos.seen + counts[:, -1]), rope_pos
+
+
+def query_slots(start: Array, l: int, *, xp: Namespace) -> Array:
+    """``[b, l]`` int64: the slots ``start[i] .. start[i]+l-1`` row i's new tokens land in."""
+    return start[:, None] + xp.arange(l, dtype=xp.int64, device=device(start))[None, :]
+
+
+def slot_hits(start: Array, l: int, m: int, *, xp: Namespace) -> Array:
+    """The one-hot ``[b, l, m]`` bool of each row's new tokens over its ``m`` slots (from ``start [b]``)."""
+    slots = xp.arange(m, dtype=xp.int64, device=device(start))
+    return slots[None, None, :] == query_slots(start, l, xp=xp)[:, :, None]
 
 
 def rope_tables(positions: Array, rotary_dim: int, theta: float, dtype: Any, *, xp: Namespace) -> tuple[Array, Array]:
@@ -144,9 +155,10 @@ def _heads(v: Array, heads: int, hd: int, *, xp: Namespace) -> Array:
 
 
 def _write(cache: Array, new: Array, hit: Array, *, xp: Namespace) -> Array:
-    """``cache [b, kv, m, hd]`` with ``new [b, kv, l, hd]`` in the slots of the one-hot ``hit [l, m]``."""
-    placed = xp.matmul(xp.astype(xp.matrix_transpose(hit), new.dtype), new)  # [m, l] @ [b, kv, l, hd] -> [b, kv, m, hd]
-    return xp.where(xp.any(hit, axis=0)[:, None], placed, cache)
+    """``cache [b, kv, m, hd]`` with ``new [b, kv, l, hd]`` in the slots of the one-hot ``hit [b, l, m]``."""
+    spread = xp.astype(xp.matrix_transpose(hit), new.dtype)[:, None, :, :]  # [b, l, m] -> [b, 1, m, l]
+    placed = xp.matmul(spread, new)  # [b, 1, m, l] @ [b, kv, l, hd] -> [b, kv, m, hd]
+    return xp.where(xp.any(hit, axis=1)[:, None, :, None], placed, cache)
 
 
 def _project(x: Array, p: dict[str, Array], spec: AttentionSpec, rope_pos: Array, *, xp: Namespace,
@@ -202,8 +214,8 @@ def inner_mlp(x: Array, p: dict[str, Array], spec: AttentionSpec, *, xp: Namespa
 
 def attention(x: Array, p: dict[str, Array], spec: AttentionSpec, cache: KVCache, start: Array, valid: Array,
               rope_pos: Array, *, xp: Namespace, pad: Array | None = None) -> tuple[Array, KVCache]:
-    """One attention layer over ``x [b, l, d_model]`` written to slots ``start .. start+l-1``
-    (``start``: the positions' ``length`` before these tokens), ``valid [b, m]`` and ``rope_pos
+    """One attention layer over ``x [b, l, d_model]``, row i written to its slots ``start[i] ..
+    start[i]+l-1`` (``start [b]``: the positions' ``length`` before these tokens), ``valid [b, m]`` and ``rope_pos
     [b, l]`` as :func:`advance` gives them after: ``(out [b, l, d_model], new cache)``. ``p``:
     ``q_proj/k_proj/v_proj/o_proj.weight`` (and ``.bias``). Scores are computed in float32 at
     least; a query sees the valid slots up to its own. With a conv (``spec.conv``) also
@@ -214,10 +226,10 @@ def attention(x: Array, p: dict[str, Array], spec: AttentionSpec, cache: KVCache
     q, k, v, conv = _project(x, p, spec, rope_pos, xp=xp, conv_state=cache.conv, pad=pad)
     m = cache.k.shape[2]
     slots = xp.arange(m, dtype=xp.int64, device=device(x))
-    query_slot = start + xp.arange(l, dtype=xp.int64, device=device(x))  # [l]
-    hit = slots[None, :] == query_slot[:, None]  # [l, m]
+    query_slot = query_slots(start, l, xp=xp)  # [b, l]
+    hit = slots[None, None, :] == query_slot[:, :, None]  # [b, l, m]
     cache = KVCache(_write(cache.k, k, hit, xp=xp), _write(cache.v, v, hit, xp=xp), conv)
-    visible = (slots[None, :] <= query_slot[:, None])[None, :, :] & valid[:, None, :]  # [b, l, m]
+    visible = (slots[None, None, :] <= query_slot[:, :, None]) & valid[:, None, :]  # [b, l, m]
     out = _out(attend(q, cache.k, cache.v, visible, spec.scale, xp=xp), p, xp=xp, mlp=inner_mlp(x, p, spec, xp=xp))
     return out, cache
 
