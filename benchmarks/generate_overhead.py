@@ -5,10 +5,12 @@ on random LMs (4 layers of d_model 256, and the mamba2-130m shape), NumPy and to
 
 Rounds alternate the three (one call each in turn), so all share the machine's load; it prints
 medians in ms a call and each one's overhead over the bare loop in µs a token. ``--profile`` adds
-cProfile's top entries of one generate call. Tooling, not a test: nothing is asserted.
+cProfile's top entries of one generate call, ``--chooser`` the token
+chooser's own µs a token. Tooling, not a test: nothing is asserted.
 
     python benchmarks/generate_overhead.py --threads 2 --rounds 7
     python benchmarks/generate_overhead.py --models small --backends numpy --profile
+    python benchmarks/generate_overhead.py --threads 1 --eos --models small --chooser
 """
 
 from __future__ import annotations
@@ -54,6 +56,23 @@ def _calls(backend: str, model: str, tokens: int, prompt: int, eos: bool) -> dic
             "stream": lambda: list(lm.stream(ids, tokens, eos_token_id=stop))}
 
 
+def _chooser_us(backend: str, eos: int | None, calls: int = 1000) -> float:
+    """µs a call of :meth:`portable_ssm.generation.TokenChooser.next` (greedy, batch 1, 4096 logits)."""
+    from portable_ssm.backends import load, to_backend
+
+    from portable_ssm.generation import TokenChooser
+    from portable_ssm.generation_options import check_options
+
+    ids = to_backend(np.zeros((1, 8), np.int64), backend)
+    last = to_backend(np.random.default_rng(0).standard_normal((1, 4096)).astype(np.float32), backend)
+    chooser = TokenChooser(check_options(8, 4096, max_new_tokens=2 * calls, eos_token_id=eos), ids, None,
+                           xp=load(backend).namespace())
+    start = time.perf_counter()
+    for _ in range(calls):
+        chooser.next(last)
+    return (time.perf_counter() - start) * 1e6 / calls
+
+
 def _alternate(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
     """Median ms of each call over ``rounds`` rounds (one call of each in turn), after a warm-up."""
     for fn in fns.values():
@@ -78,6 +97,8 @@ def main() -> None:
     parser.add_argument("--eos", action="store_true",
                         help="generate and stream with an eos id (the last of the vocabulary; random weights "
                              "rarely choose it), so each token reads whether the row finished")
+    parser.add_argument("--chooser", action="store_true",
+                        help="also time the token chooser alone (no eos, and eos 4095 never chosen)")
     parser.add_argument("--profile", action="store_true", help="cProfile one generate call of each")
     args = parser.parse_args()
     os.environ["PORTABLE_SSM_NUM_THREADS"] = str(args.threads)
@@ -90,6 +111,9 @@ def main() -> None:
     print(f"{args.threads} threads, prompt {args.prompt}, {args.tokens} new tokens, {args.rounds} rounds, medians",
           flush=True)
     for backend in backends:
+        if args.chooser:
+            print(f"{backend} TokenChooser.next: " + "  ".join(f"eos {eos} {_chooser_us(backend, eos):5.1f} us"
+                                                             for eos in (None, 4095)), flush=True)
         for model in args.models.split(","):
             fns = _calls(backend, model, args.tokens, args.prompt, args.eos)
             ms = _alternate(fns, args.rounds)
