@@ -19,12 +19,12 @@ import argparse
 import cProfile
 import os
 import pstats
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from quantized_prefill import alternate  # this folder: the scripts run as files
 
 MODELS = {"small": {"d_model": 256, "n_layer": 4, "vocab_size": 4096},
           "130m": {"d_model": 768, "n_layer": 24, "vocab_size": 50288}}
@@ -73,19 +73,6 @@ def _chooser_us(backend: str, eos: int | None, calls: int = 1000) -> float:
     return (time.perf_counter() - start) * 1e6 / calls
 
 
-def _alternate(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Median ms of each call over ``rounds`` rounds (one call of each in turn), after a warm-up."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="threads of both backends")
@@ -116,7 +103,7 @@ def main() -> None:
                                                              for eos in (None, 4095)), flush=True)
         for model in args.models.split(","):
             fns = _calls(backend, model, args.tokens, args.prompt, args.eos)
-            ms = _alternate(fns, args.rounds)
+            ms = alternate(fns, args.rounds)
             over = {k: (v - ms["loop"]) * 1e3 / args.tokens for k, v in ms.items() if k != "loop"}
             print(f"{backend} {model:<5} " + "  ".join(f"{k} {v:7.1f} ms" for k, v in ms.items())
                   + "  overhead a token: " + "  ".join(f"{k} {v:+6.0f} us" for k, v in over.items()), flush=True)

@@ -27,7 +27,7 @@ KINDS = ("float32", "int8", "bfloat16")
 PROJECTIONS = {"in_proj": (3352, 768), "out_proj": (768, 1536)}  # a 130m layer's [out, in]
 
 
-def _alternate(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+def alternate(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
     """Median ms of each call over ``rounds`` rounds (one call of each in turn), after a warm-up."""
     for fn in fns.values():
         fn()
@@ -103,9 +103,9 @@ def main() -> None:
     for backend in backends:
         if "matmul" in args.parts:
             for name, fns in _matmuls(backend, args.tokens).items():
-                _print(f"{backend} {name}", _alternate(fns, args.rounds))
+                _print(f"{backend} {name}", alternate(fns, args.rounds))
         if "prefill" in args.parts:
-            _print(f"{backend} prefill {args.layers}L", _alternate(_prefills(backend, args.layers, args.tokens),
+            _print(f"{backend} prefill {args.layers}L", alternate(_prefills(backend, args.layers, args.tokens),
                                                                   args.rounds))
 
 
