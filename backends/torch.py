@@ -38,6 +38,7 @@ from portable_ssm.quantized import QuantizedWeight, quantized_matmul_ref
 
 from . import torch_kernels, torch_scan
 from .numpy import ops as numpy_ops
+from .numpy import quant as numpy_quant
 
 
 def namespace() -> Any:
@@ -320,7 +321,8 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
 
 
 #: Rows up to which :func:`quantized_matmul` runs torch's low-precision kernels on CPU (decode); more
-#: rows (prefill) dequantize and multiply in float32, faster on CPUs without int8 / bf16 dot products.
+#: rows (prefill) dequantize tiles and multiply in float32 (:func:`_tiled_product`), faster on CPUs
+#: without int8 / bf16 dot products.
 CPU_KERNEL_MAX_ROWS = 16
 #: The largest float16: bfloat16 weights up to it repack exactly for fbgemm's float16 kernel.
 _FLOAT16_MAX = 65504.0
@@ -562,21 +564,22 @@ def pack_quantized(weight: Any) -> Any:
 
 
 def quantized_matmul(rows: torch.Tensor, weight: Any) -> torch.Tensor:
-    """``rows [m, in]`` (float32) times a :class:`~portable_ssm.quantized.QuantizedWeight` transposed:
-    ``[m, out]`` float32. One CPU row goes through :mod:`.torch_kernels`' row kernel where it is
-    built (weight-only: the int8 weight times its row scales, the row kept float32; bfloat16 widened
-    exactly). Otherwise torch's shipped low-precision kernels, on CPU for ``m <=
-    CPU_KERNEL_MAX_ROWS``: fbgemm's on the weight's :func:`pack_quantized` copy where it has one
-    (int8 also rounds the rows to 8 bits there), else int8 through ``torch._weight_int8pack_mm``
-    (weight-only, per-channel scales) and bfloat16 through ``F.linear`` in bfloat16 (also on CUDA at
-    any ``m``; torch's bf16 GEMM rounds the rows and the result to bfloat16 too). A bfloat16 weight
-    times one CPU row under ``torch.compile`` is :func:`_one_row_product` instead (the weight widened
-    exactly, float32 products: inductor streams the 2-byte weight faster than fbgemm's float16
-    GEMV, and the compiled graph calls no op outside it). Otherwise the core reference
-    (dequantize, float32 matmul)."""
+    """``rows [m, in]`` (float32) times a :class:`~portable_ssm.quantized.QuantizedWeight` transposed: ``[m,
+    out]`` float32. One CPU row goes through :mod:`.torch_kernels`' row kernel where it is built
+    (weight-only: the int8 weight times its row scales, the row kept float32; bfloat16 widened exactly).
+    More CPU rows than ``CPU_KERNEL_MAX_ROWS`` (a prefill's): :func:`_tiled_product` (tiles of the
+    weight widened to float32, each through the float32 GEMM). Otherwise torch's shipped low-precision
+    kernels, on CPU for ``m <= CPU_KERNEL_MAX_ROWS``: fbgemm's on the weight's :func:`pack_quantized`
+    copy where it has one (int8 also rounds the rows to 8 bits there), else int8 through
+    ``torch._weight_int8pack_mm`` (weight-only, per-channel scales) and bfloat16 through ``F.linear`` in
+    bfloat16 (also on CUDA at any ``m``; torch's bf16 GEMM rounds the rows and the result to bfloat16
+    too). A bfloat16 weight times one CPU row under ``torch.compile`` is :func:`_one_row_product`
+    instead (the weight widened exactly, float32 products: inductor streams the 2-byte weight faster
+    than fbgemm's float16 GEMV, and the compiled graph calls no op outside it). Otherwise the core
+    reference (dequantize, float32 matmul)."""
     on_cpu = rows.device.type == "cpu"
     if on_cpu and rows.shape[0] > CPU_KERNEL_MAX_ROWS:
-        return quantized_matmul_ref(rows, weight, xp=xp)
+        return _tiled_product(rows, weight)
     if _takes_row_kernel(rows, weight.data):
         return torch_kernels.row_product(rows.contiguous(), weight.data, weight.scale)
     if weight.kind == "bfloat16" and _streams_one_row(rows):
@@ -588,6 +591,27 @@ def quantized_matmul(rows: torch.Tensor, weight: Any) -> torch.Tensor:
     if on_cpu:
         return torch._weight_int8pack_mm(rows.contiguous(), weight.data, weight.scale)
     return quantized_matmul_ref(rows, weight, xp=xp)
+
+
+def _tiled_product(rows: torch.Tensor, weight: Any) -> torch.Tensor:
+    """``rows [m, in] @ W.T -> [m, out]`` for a quantized CPU weight ``W``: tiles of its rows widened to
+    float32 by NumPy's :func:`~portable_ssm.backends.numpy.quant.widen_rows` on zero-copy views (the
+    reference's values exactly, in about a tenth of the time torch's casts took), each multiplied by
+    torch's float32 GEMM; tiles as NumPy's (:func:`~portable_ssm.backends.numpy.quant.tile_ranges`:
+    one for a 130m layer's projections). The core reference (one widened copy of the whole
+    matrix) for float32 rows that autograd records, other row dtypes and graphs being compiled."""
+    if (rows.dtype != torch.float32 or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and (rows.requires_grad or weight.data.requires_grad))):
+        return quantized_matmul_ref(rows, weight, xp=xp)
+    data = weight.data.view(torch.int16).numpy().view(np.uint16) if weight.kind == "bfloat16" else weight.data.numpy()
+    scale = None if weight.scale is None else weight.scale.numpy()
+    tiles = numpy_quant.tile_ranges(*weight.shape)
+    if len(tiles) == 1:
+        return rows @ torch.from_numpy(numpy_quant.widen_rows(data, scale, 0, weight.shape[0])).T
+    out = rows.new_empty((rows.shape[0], weight.shape[0]))
+    for start, stop in tiles:
+        out[:, start:stop] = rows @ torch.from_numpy(numpy_quant.widen_rows(data, scale, start, stop)).T
+    return out
 
 
 def _streams_one_row(rows: torch.Tensor) -> bool:

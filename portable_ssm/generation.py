@@ -229,11 +229,14 @@ class TokenChooser:
                                                         device=device(input_ids))
         self.generated: list[Array] = []
         self.finished: Array | None = None
+        self.some_finished = False  # whether a row of ``finished`` is true (read with the step's "done")
 
     def next(self, last: Array) -> tuple[Array, Array | None, bool]:
         """``last [b, rows]`` (the logits after the tokens so far) -> ``(token [b], fed, done)``:
         ``fed [b]`` bool the rows whose token is a real one (None: all; the others emit the
-        filler), ``done`` once this was the last token (max_new_tokens, or every row finished)."""
+        filler), ``done`` once this was the last token (max_new_tokens, or every row finished).
+        One host read a token at most (how many rows have finished, where eos or stop can end a
+        row), none with neither; the filler and ``fed`` only once a row has finished."""
         xp, o = self.xp, self.options
         scores = last[:, :o.vocab]  # [b, vocab]
         if self.seen is not None:
@@ -243,9 +246,10 @@ class TokenChooser:
         if o.processor is not None:
             scores = _processed(o.processor, self.input_ids, self.generated, scores, xp=xp)
         token = xp.astype(_choose(scores, o.temperature, o.top_k, o.top_p, self.rng, xp=xp),
-                          self.input_ids.dtype)  # [b]
-        fed = None if self.finished is None else xp.logical_not(self.finished)
-        if self.finished is not None:
+                          self.input_ids.dtype, copy=False)  # [b]
+        fed = None
+        if self.some_finished:
+            fed = xp.logical_not(self.finished)
             token = xp.where(self.finished, self.fill, token)
         self.generated.append(token)
         ends = finishing(token, self.generated, o, xp=xp)
@@ -253,8 +257,11 @@ class TokenChooser:
             self.finished = ends if self.finished is None else self.finished | ends
         if self.seen is not None:
             self.seen = add_seen(self.seen, token, xp=xp)
-        done = len(self.generated) == o.new or (self.finished is not None and bool(xp.all(self.finished)))
-        return token, fed, done
+        if len(self.generated) == o.new or self.finished is None:
+            return token, fed, len(self.generated) == o.new
+        count = int(xp.sum(xp.astype(self.finished, xp.int32)))  # rows finished so far
+        self.some_finished = count > 0
+        return token, fed, count == token.shape[0]
 
 
 class _Prefill:

@@ -214,3 +214,47 @@ def test_mixed_backends_and_missing_rng_are_type_errors():
         generate(torch.as_tensor(prompt()), HOST, config=CONFIG, max_new_tokens=1)
     with pytest.raises(TypeError, match="rng: temperature > 0 needs a numpy.random.Generator"):
         next_token(np.zeros((1, 4), np.float32), temperature=1.0)
+
+
+class _Counting:
+    """NumPy's array-API namespace, counting the calls of each of its functions by name."""
+
+    def __init__(self) -> None:
+        import array_api_compat.numpy as xp
+
+        self.xp, self.calls = xp, {}
+
+    def __getattr__(self, name: str):
+        value = getattr(self.xp, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return value(*args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("eos", [None, (7,)])
+def test_token_chooser_adds_no_filler_work_a_token_until_a_row_finishes(eos):
+    """Per token the chooser picks the ids and (with eos) reads how many rows finished: no filler
+    ``where`` and no ``fed`` mask while every row is still running; once
+    a row finishes it emits the filler there and reports the rows still fed."""
+    xp = _Counting()
+    ids = np.zeros((2, 3), dtype=np.int64)
+    options = generation.check_options(3, 10, max_new_tokens=6, eos_token_id=eos)
+    chooser = generation.TokenChooser(options, ids, None, xp=xp)
+    last = np.zeros((2, 10), dtype=np.float32)
+    last[:, 3] = 1.0  # both rows choose 3
+    for _ in range(3):
+        token, fed, done = chooser.next(last)
+        assert token.tolist() == [3, 3] and fed is None and not done
+    assert "where" not in xp.calls and "logical_not" not in xp.calls
+    assert xp.calls["argmax"] == 3 and xp.calls.get("sum", 0) == (0 if eos is None else 3)
+    if eos is None:
+        return
+    last[0, 7] = 2.0  # row 0 finishes with eos 7, row 1 goes on
+    token, fed, done = chooser.next(last)
+    assert token.tolist() == [7, 3] and fed is None and not done
+    token, fed, done = chooser.next(last)
+    assert token.tolist() == [7, 3] and fed.tolist() == [False, True] and not done  # row 0: the filler

@@ -286,12 +286,12 @@ def quantized_rows(out: int, n: int, seed: int):
 
 @pytest.mark.parametrize(("out", "n"), [(1, 1), (37, 770), (1000, 5), (3352, 768), (5, 1536)])
 def test_row_product_widens_int8_and_bfloat16_weights_and_agrees_with_float64(library, out, n):
-    from portable_ssm.backends.numpy.quant import _widen
+    from portable_ssm.backends.numpy.quant import widen_rows
 
     row, q, scale, bits = quantized_rows(out, n, seed=out + n)
     wide = row[0].astype(np.float64)
     for weight, s, ref in ((q, scale, (q.astype(np.float64) @ wide) * scale), (q, None, q.astype(np.float64) @ wide),
-                           (bits, None, _widen(bits).astype(np.float64) @ wide)):
+                           (bits, None, widen_rows(bits, None, 0, out).astype(np.float64) @ wide)):
         y = kernels.row_product(row, weight, s)
         assert y.dtype == np.float32 and y.shape == (1, out)
         np.testing.assert_allclose(y[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

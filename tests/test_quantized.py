@@ -123,16 +123,60 @@ def test_untouched_params_are_the_same_arrays_and_float32_kind_converts_nothing(
     assert kept and all(params[k] is HOST[k] for k in kept)
 
 
+def _backend_or_skip(name: str):
+    if name == "torch":
+        pytest.importorskip("torch")
+    return load(name)
+
+
+@pytest.mark.parametrize("tile_rows", [None, 64], ids=["one tile", "tiles of 64 rows"])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 40])
-def test_numpy_tiled_quantized_matmul_matches_the_dequantize_then_matmul_reference(kind, rows):
-    w = np.random.default_rng(4).standard_normal((1100, 48)).astype(np.float32)  # three tiles of 512 rows
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 40, 129])
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_many_row_quantized_matmul_widens_tiles_and_matches_the_reference(monkeypatch, backend, rows, kind,
+                                                                          tile_rows):
+    """Prefill's products (more rows than decode's kernels take: numpy 2+, torch 17+) widen the weight
+    one tile of at most QUANT_TILE_BYTES at a time, covering every row once; every row count (around
+    both switch points, odd sizes) matches the dequantize-then-matmul reference."""
+    from portable_ssm.backends.numpy import quant
+
+    b = _backend_or_skip(backend)
+    if tile_rows is not None:
+        monkeypatch.setattr(quant, "QUANT_TILE_BYTES", 4 * 47 * tile_rows)
+    tiles: list[tuple[int, int]] = []
+    widen = quant.widen_rows
+    monkeypatch.setattr(quant, "widen_rows",
+                        lambda d, s, start, stop: tiles.append((start, stop)) or widen(d, s, start, stop))
+    w = b.asarray(np.random.default_rng(4).standard_normal((301, 47)).astype(np.float32), None, None)
     q = ps.quantize({"lm_head.weight": w}, kind)["lm_head.weight"]
-    v = np.random.default_rng(5).standard_normal((rows, 48)).astype(np.float32)
-    native = fast_op(load("numpy").namespace(), "quantized_matmul")
-    out = native(v, q)
-    assert out.dtype == np.float32 and out.shape == (rows, 1100)
-    assert rel_err(out, quantized_matmul_ref(v, q, xp=load("numpy").namespace())) <= 2e-6
+    v = b.asarray(np.random.default_rng(5).standard_normal((rows, 47)).astype(np.float32), None, None)
+    xp = b.namespace()
+    out = fast_op(xp, "quantized_matmul")(v, q)
+    assert array_backend(out) == backend and dtype_name(out.dtype) == "float32" and tuple(out.shape) == (rows, 301)
+    many = rows > (1 if backend == "numpy" else b.CPU_KERNEL_MAX_ROWS)
+    if many:
+        assert [t[0] for t in tiles] == [0] + [t[1] for t in tiles[:-1]] and tiles[-1][1] == 301
+        assert max(stop - start for start, stop in tiles) <= (301 if tile_rows is None else tile_rows)
+        assert len(tiles) == (1 if tile_rows is None else 5)
+        bound = 2e-6
+    else:  # decode: the row kernels (torch's may round the rows, see TORCH_KERNEL_ERR)
+        assert not tiles
+        bound = max(v for (k, _), v in TORCH_KERNEL_ERR.items() if k == kind) if backend == "torch" else 2e-6
+    reference = quantized_matmul_ref(v, q, xp=xp)
+    assert rel_err(b.to_numpy(out), b.to_numpy(reference)) <= bound
+
+
+def test_tile_ranges_cover_the_rows_in_equal_tiles_under_the_byte_bound(monkeypatch):
+    from portable_ssm.backends.numpy import quant
+
+    assert quant.tile_ranges(3352, 768) == [(0, 3352)]  # a 130m in_proj: one tile
+    head = quant.tile_ranges(50288, 768)
+    assert head[0][0] == 0 and head[-1][1] == 50288 and all(a[1] == b[0] for a, b in zip(head, head[1:]))
+    assert all(4 * 768 * (stop - start) <= quant.QUANT_TILE_BYTES for start, stop in head)
+    assert max(s - t for t, s in head) - min(s - t for t, s in head) <= 1
+    monkeypatch.setattr(quant, "QUANT_TILE_BYTES", 1)
+    assert quant.tile_ranges(3, 5) == [(0, 1), (1, 2), (2, 3)]  # at least a row a tile
+    assert quant.tile_ranges(0, 5) == [(0, 0)]
 
 
 def _counting(monkeypatch, owner, name: str, arg: int = 1) -> list:
@@ -195,7 +239,7 @@ def test_torch_quantized_matmul_matches_the_reference_for_decode_and_prefill_row
     out = load("torch").quantized_matmul(v, q)
     assert out.dtype == torch.float32 and tuple(out.shape) == (rows, 300)
     reference = quantized_matmul_ref(v, q, xp=load("torch").namespace())
-    # 1 row: torch's kernels; 40 rows: the reference (dequantize, float32 matmul)
+    # 1 row: torch's kernels; 40 rows: tiles widened exactly, float32 GEMM
     bound = TORCH_KERNEL_ERR[kind, packed and q.packed is not None] if rows == 1 else 2e-5
     assert rel_err(out.numpy(), reference.numpy()) <= bound
 

@@ -40,14 +40,16 @@ SCAN_GROUP_CHUNKS = 4
 PARALLEL_MIN_ROWS = 64
 
 
-def linear(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def linear(rows: np.ndarray, weight: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``rows [m, in] @ weight.T -> [m, out]`` for ``portable_ssm.mixer._linear``'s 16 and more rows
     (a prefill's): the rows split over the thread pool, each worker's share through a one-thread
     BLAS. The scan, conv and norm then share the cores with no BLAS thread left spinning from the
     projection (OpenBLAS's idle threads spin for about 0.1 s after a call, and would take a core
-    from every worker)."""
+    from every worker). ``out``: an ``[m, out]`` array (a column slice of a wider one too) written
+    and returned instead of a new one."""
     m = rows.shape[0]
-    out = np.empty((m, weight.shape[0]), dtype=np.result_type(rows, weight))
+    if out is None:
+        out = np.empty((m, weight.shape[0]), dtype=np.result_type(rows, weight))
     run_all(lambda part: np.matmul(rows[part[0]:part[1]], weight.T, out=out[part[0]:part[1]]),
             row_ranges(m, PARALLEL_MIN_ROWS), blas=True)
     return out

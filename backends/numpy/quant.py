@@ -2,11 +2,13 @@
 
 - :func:`bfloat16_bits`: float32 rounded to bfloat16 (nearest, ties to even), as ``uint16`` bits
   (NumPy has no bfloat16 dtype);
-- :func:`quantized_matmul`: ``rows @ W.T`` for a quantized ``W``, widening it to float32 in tiles
-  of QUANT_TILE_ROWS rows so each tile is multiplied while in cache and no float32 copy of the
-  whole matrix is made; the int8 scales multiply the output columns, not the weight. One float32
-  row (a batch-1 decode step) goes through the compiled row product instead
-  (:func:`.kernels.row_product`), which widens each weight as it reads it.
+- :func:`quantized_matmul`: ``rows @ W.T`` for a quantized ``W``: the weight widened to float32
+  (int8 times its row scales: the reference's values exactly) a tile of rows at a time
+  (:func:`widen_rows`, at most QUANT_TILE_BYTES of float32), each tile multiplied by the float32
+  GEMM as :func:`.ops.linear` does it (the rows split over the thread pool), so no float32 copy of a
+  large matrix (an LM head) is made. One float32 row (a batch-1 decode step) goes through the
+  compiled row product instead (:func:`.kernels.row_product`), which widens each weight as it
+  reads it. torch's many-row product on CPU widens its tiles here too.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ from typing import Any
 import numpy as np
 
 from . import kernels
+from .ops import linear
 
-#: Weight rows widened to float32 at a time by :func:`quantized_matmul` (512 × 768 floats: 1.5 MiB).
-QUANT_TILE_ROWS = 512
+#: Bytes of float32 one tile of widened weight rows takes at most (16 MiB: a 130m layer's in_proj
+#: and out_proj are one tile each, a 50k-row LM head ten). Not a cache-sized tile: OpenBLAS's and
+#: MKL's GEMMs with a few hundred output columns ran 1.5x to 3.8x slower per column than with
+#: thousands on the 2-core AVX-512 VM (x [2048, 768]), while widening a whole in_proj costs about
+#: 1.5 ms against its 110 ms product.
+QUANT_TILE_BYTES = 16 << 20
 
 
 def bfloat16_bits(x: np.ndarray) -> np.ndarray:
@@ -28,25 +35,32 @@ def bfloat16_bits(x: np.ndarray) -> np.ndarray:
     return (rounded >> np.uint32(16)).astype(np.uint16)
 
 
-def _widen(data: np.ndarray) -> np.ndarray:
-    """int8 values or bfloat16 ``uint16`` bits as float32."""
+def widen_rows(data: np.ndarray, scale: np.ndarray | None, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of a quantized weight's storage ``data [out, in]`` (int8, or bfloat16 bits as
+    ``uint16``) as float32 ``[stop - start, in]``: int8 times its row ``scale [out]`` (one rounding,
+    as the reference's ``astype(q, float32) * scale``), bfloat16 bits as the high half of a float32."""
     if data.dtype == np.uint16:
-        return (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return data.astype(np.float32)
+        return (data[start:stop].astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return np.multiply(data[start:stop], scale[start:stop, None], dtype=np.float32)
+
+
+def tile_ranges(out: int, d_in: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` tiles of a weight's ``out`` rows of ``d_in`` values: as few as keep each tile's
+    float32 under :data:`QUANT_TILE_BYTES`, of equal size (to a row)."""
+    most = max(1, QUANT_TILE_BYTES // (4 * max(d_in, 1)))
+    tiles = max(1, -(-out // most))
+    bounds = [out * i // tiles for i in range(tiles + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def quantized_matmul(rows: np.ndarray, weight: Any) -> np.ndarray:
     """``rows [m, in]`` (float32) times the :class:`~portable_ssm.quantized.QuantizedWeight`
-    ``weight [out, in]`` transposed: ``[m, out]`` float32, tile by tile of weight rows."""
+    ``weight [out, in]`` transposed: ``[m, out]``, tile by tile of widened weight rows."""
     one_row = kernels.row_product(rows, weight.data, weight.scale)  # a decode step's row: read in place
     if one_row is not None:
         return one_row
-    n = weight.shape[0]
-    out = np.empty((rows.shape[0], n), dtype=np.float32)
-    for start in range(0, n, QUANT_TILE_ROWS):
-        stop = min(start + QUANT_TILE_ROWS, n)
-        tile = _widen(weight.data[start:stop])  # [tile, in]
-        np.matmul(rows, tile.T, out=out[:, start:stop])
-        if weight.scale is not None:
-            out[:, start:stop] *= weight.scale[start:stop]
+    n, d_in = weight.shape
+    out = np.empty((rows.shape[0], n), dtype=np.result_type(rows, np.float32))
+    for start, stop in tile_ranges(n, d_in):
+        linear(rows, widen_rows(weight.data, weight.scale, start, stop), out=out[:, start:stop])
     return out
