@@ -285,17 +285,24 @@ def _copy(case, folder, **changes):
 _DROP = object()
 
 
-@pytest.fixture(scope="module")
-def mlp_case(tmp_path_factory):
-    """The tied, padded-vocabulary variant saved once, with Bamba's logits."""
-    variant = VARIANTS["mlp_tied_padded"]
+def _saved(tmp_path_factory, name: str, vocab: int) -> dict:
+    """The variant ``name`` saved once, with the reference's logits: all rows, and row 1's last
+    SHORT tokens alone."""
+    variant = VARIANTS[name]
     model = _bamba(variant).eval()
-    folder = tmp_path_factory.mktemp("mlp")
+    folder = tmp_path_factory.mktemp(name)
     save_mamba_ssm(model, variant, folder)
-    ids = torch.randint(1, 60, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, vocab, (2, PROMPT), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(ids).logits.numpy()
-    return dict(folder=str(folder), ids=ids.numpy(), full=full)
+        alone = model(ids[1:, PROMPT - SHORT:]).logits.numpy()[0]
+    return dict(folder=str(folder), ids=ids.numpy(), full=full, alone=alone)
+
+
+@pytest.fixture(scope="module")
+def mlp_case(tmp_path_factory):
+    """The tied, padded-vocabulary variant (ids below its 60 real tokens)."""
+    return _saved(tmp_path_factory, "mlp_tied_padded", 60)
 
 
 def test_generation_never_picks_a_padding_row_of_the_vocabulary(mlp_case):
@@ -460,16 +467,8 @@ def test_cli_info_names_the_mamba_ssm_family(mlp_case, capsys):
 
 @pytest.fixture(scope="module")
 def conv_case(tmp_path_factory):
-    """The attention_conv variant (mamba2attn-2.7b's attn_cfg keys) saved once, with its logits."""
-    variant = VARIANTS["attention_conv"]
-    model = _bamba(variant).eval()
-    folder = tmp_path_factory.mktemp("conv")
-    save_mamba_ssm(model, variant, folder)
-    ids = torch.randint(1, 64, (2, PROMPT), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = model(ids).logits.numpy()
-        alone = model(ids[1:, PROMPT - SHORT:]).logits.numpy()[0]
-    return dict(folder=str(folder), ids=ids.numpy(), full=full, alone=alone)
+    """The attention_conv variant (mamba2attn-2.7b's attn_cfg keys)."""
+    return _saved(tmp_path_factory, "attention_conv", 64)
 
 
 def test_left_padding_never_enters_a_rows_attention_conv_window(conv_case):
