@@ -329,7 +329,8 @@ def param_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
                 if a.out_bias if name == "o_proj" else a.bias:
                     shapes[f"{pre}{name}.bias"] = (shape[0],)
             if a.conv:
-                shapes.update({f"{pre}conv1d.weight": (q + 2 * kv, 1, a.conv), f"{pre}conv1d.bias": (q + 2 * kv,)})
+                c = qkv_width(a)
+                shapes.update({f"{pre}conv1d.weight": (c, 1, a.conv), f"{pre}conv1d.bias": (c,)})
         if mix is not None:
             shapes[f"layers.{i}.mixer_norm.weight"] = (d,)
         if ffn is not None:

@@ -227,7 +227,7 @@ def attention(x: Array, p: dict[str, Array], spec: AttentionSpec, cache: KVCache
     m = cache.k.shape[2]
     slots = xp.arange(m, dtype=xp.int64, device=device(x))
     query_slot = query_slots(start, l, xp=xp)  # [b, l]
-    hit = slots[None, None, :] == query_slot[:, :, None]  # [b, l, m]
+    hit = slot_hits(start, l, m, xp=xp)  # [b, l, m]
     cache = KVCache(_write(cache.k, k, hit, xp=xp), _write(cache.v, v, hit, xp=xp), conv)
     visible = (slots[None, None, :] <= query_slot[:, :, None]) & valid[:, None, :]  # [b, l, m]
     out = _out(attend(q, cache.k, cache.v, visible, spec.scale, xp=xp), p, xp=xp, mlp=inner_mlp(x, p, spec, xp=xp))

@@ -51,6 +51,17 @@ def layer_kinds(raw: Any, key: str, n_layer: int) -> list[str]:
     return [names[k] for k in raw]
 
 
+def layer_indices(raw: Any, key: str, n_layer: int) -> set[int]:
+    """The layer indices listed under ``key`` (absent or null: none); CheckpointError naming it
+    unless every entry is an int (not a bool) below ``n_layer``."""
+    idx = raw.get(key) or []
+    if not isinstance(idx, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layer
+                                        for i in idx):
+        raise CheckpointError(f"{key}: expected a list of layer indices below {n_layer} (the layer count), "
+                              f"got {idx!r:.80}")
+    return set(idx)
+
+
 def require(value: Any, supported: tuple[Any, ...], key: str) -> None:
     """CheckpointError naming ``key`` unless ``value`` is one of ``supported``."""
     if not any(type(value) is type(s) and value == s for s in supported):

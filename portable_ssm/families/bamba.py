@@ -12,7 +12,7 @@ from .._array import namespace
 from ..blocks import AttentionSpec, MLPSpec
 from ..io.errors import CheckpointError
 from ..stack import HybridConfig
-from ._common import apply_rules, decoder_rules, hub_rope, layer_kinds, mamba_config, require
+from ._common import apply_rules, decoder_rules, hub_rope, layer_indices, layer_kinds, mamba_config, require
 
 MODEL_TYPES = ("bamba",)
 
@@ -29,9 +29,7 @@ def config(raw: Any) -> tuple[HybridConfig, tuple[str, ...]]:
     d, n = raw.int("hidden_size"), raw.int("num_hidden_layers")
     require(raw.get("hidden_act", "silu"), ("silu",), "hidden_act")
     require(raw.get("mlp_bias", False), (False,), "mlp_bias")
-    attn = raw.get("attn_layer_indices") or []
-    if not isinstance(attn, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in attn):
-        raise CheckpointError(f"attn_layer_indices: expected a list of layer indices below {n}, got {attn!r:.80}")
+    attn = layer_indices(raw, "attn_layer_indices", n)
     kinds = layer_kinds(["attention" if i in attn else "mamba" for i in range(n)], "attn_layer_indices", n)
     heads = raw.int("num_attention_heads")
     head_dim = d // heads

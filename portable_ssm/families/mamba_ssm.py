@@ -34,7 +34,7 @@ from ..config import Mamba2Config
 from ..io.errors import CheckpointError
 from ..io.layouts import D_per_channel, state_spaces_fields
 from ..stack import HybridConfig
-from ._common import apply_rules, require
+from ._common import apply_rules, layer_indices, require
 
 MODEL_TYPES: tuple[str, ...] = ()  # routed by the config's keys, not by a model_type
 MULTIPLE_OF = 128  # GatedMLP's multiple_of: the hidden size d_intermediate is rounded up to
@@ -106,13 +106,6 @@ def _attention(raw: Any, d: int) -> AttentionSpec:
                          mlp=-(-mlp_dim // MLP_DIM_MULTIPLE) * MLP_DIM_MULTIPLE // 2)
 
 
-def _attention_layers(raw: Any, n: int) -> set[int]:
-    idx = raw.get("attn_layer_idx") or []
-    if not isinstance(idx, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in idx):
-        raise CheckpointError(f"attn_layer_idx: expected a list of layer indices below n_layer = {n}, got {idx!r:.80}")
-    return set(idx)
-
-
 def _d_ff(raw: Any) -> int:
     """GatedMLP's hidden size: ``d_intermediate`` rounded up to a multiple of 128 (0: no MLP)."""
     f = raw.int("d_intermediate", 0)
@@ -129,7 +122,7 @@ def config(raw: Any) -> tuple[HybridConfig, tuple[str, ...]]:
         raise CheckpointError(f"ssm_cfg.d_ssm: only None or d_inner = {whole.d_inner} is supported in a hybrid (no "
                               f"gated MLP beside the SSM), got {whole.ssm_dim}")
     d, f = whole.d_model, _d_ff(raw)
-    attn = _attention_layers(raw, whole.n_layer)
+    attn = layer_indices(raw, "attn_layer_idx", whole.n_layer)
     mamba = dataclasses.replace(whole, d_model=whole.d_inner, expand=1, n_layer=1, vocab_size=None,
                                 norm_eps=GATED_NORM_EPS)
     cfg = HybridConfig(
