@@ -599,12 +599,16 @@ def _tiled_product(rows: torch.Tensor, weight: Any) -> torch.Tensor:
     reference's values exactly, in about a tenth of the time torch's casts took), each multiplied by
     torch's float32 GEMM; tiles as NumPy's (:func:`~portable_ssm.backends.numpy.quant.tile_ranges`:
     one for a 130m layer's projections). The core reference (one widened copy of the whole
-    matrix) for float32 rows that autograd records, other row dtypes and graphs being compiled."""
-    if (rows.dtype != torch.float32 or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and (rows.requires_grad or weight.data.requires_grad))):
+    matrix) for float32 rows that autograd records, other row dtypes, graphs being compiled and
+    weights that are not plain CPU tensors."""
+    if rows.dtype != torch.float32 or _records_grad(rows, weight.data):
         return quantized_matmul_ref(rows, weight, xp=xp)
-    data = weight.data.view(torch.int16).numpy().view(np.uint16) if weight.kind == "bfloat16" else weight.data.numpy()
-    scale = None if weight.scale is None else weight.scale.numpy()
+    stored = weight.data.view(torch.int16) if weight.kind == "bfloat16" else weight.data  # NumPy has no bfloat16
+    views = _plain_views(stored, weight.scale)  # None: a graph being compiled, or not plain CPU tensors
+    if views is None:
+        return quantized_matmul_ref(rows, weight, xp=xp)
+    data, scale = views
+    data = data.view(np.uint16) if weight.kind == "bfloat16" else data
     tiles = numpy_quant.tile_ranges(*weight.shape)
     if len(tiles) == 1:
         return rows @ torch.from_numpy(numpy_quant.widen_rows(data, scale, 0, weight.shape[0])).T
