@@ -14,6 +14,8 @@ from typing import Any
 
 from ._array import Array, Namespace, array_backend, device, dtype_name, namespace
 from ._checks import Shapes, check_bool, check_int
+from .backends import fast_op
+from .blocks.attention import advance
 from .generation import TokenChooser, check_id_dtype
 from .generation_options import CHECKPOINT_EOS, Limits, Options, call_options, check_generation_config, check_options
 from .lm import check_token_ids
@@ -30,6 +32,7 @@ from .stack import (
     gather_hybrid,
     head,
     run_layers,
+    scale_logits,
     scatter_hybrid,
 )
 from .state_pool import check_state_batch_indices
@@ -192,6 +195,11 @@ class HybridLM:
         check_room(state, 1, slots=slots, xp=xp)
         tokens = xp.ones((token.shape[0], 1), dtype=xp.bool, device=device(token))
         x = embed_tokens(token, self.params, self.config, xp=xp)
+        native = fast_op(xp, "decode_hybrid")
+        fused = None if native is None else native(x, state, advance(state.positions, tokens, xp=xp)[0], self.params,
+                                                   self.config)
+        if fused is not None:  # the whole stack in one native step (the reference below: its twin)
+            return scale_logits(fused[0], self.config), fused[1]
         hidden, state = run_layers(x, self.params, self.config, state, tokens, None, xp=xp, one_token=True)
         return head(hidden, self.params, self.config, xp=xp), state
 

@@ -236,7 +236,11 @@ def _shared_block(hidden: Array, emb: Array, p: dict[str, Array], j: int, attend
 def head(hidden: Array, params: dict[str, Array], config: HybridConfig, *, xp: Namespace) -> Array:
     """Logits ``[..., V]`` of ``hidden [..., d_model]``: the (tied) head, divided by logits_scaling."""
     weight = params["embedding.weight"] if config.tie_embeddings else params["lm_head.weight"]
-    out = _linear(hidden, weight, None, xp=xp)
+    return scale_logits(_linear(hidden, weight, None, xp=xp), config)
+
+
+def scale_logits(out: Array, config: HybridConfig) -> Array:
+    """The head's output ``out [..., V]`` divided by logits_scaling."""
     return out if config.logits_scaling == 1.0 else out / config.logits_scaling
 
 

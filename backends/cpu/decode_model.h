@@ -45,8 +45,13 @@ inline void silu_pass(float* v, int64_t count) {
   for (; i + 8 <= count; i += 8) _mm256_storeu_ps(v + i, silu8(_mm256_loadu_ps(v + i)));
   for (; i < count; ++i) v[i] = silu1(v[i]);
 }
-// v[i] = (v[i] + d[i]·x[i])·silu(gate[i]), in place; d == nullptr: one d_all for every i.
+// v[i] = (v[i] + d[i]·x[i])·silu(gate[i]), in place; d == nullptr: one d_all for every i; gate ==
+// nullptr: no gate (mamba_ssm's norm_before_gate, whose gate follows the norm: gate_pass).
 inline void skip_and_gate(float* v, const float* x, const float* d, float d_all, const float* gate, int64_t count) {
+  if (gate == nullptr) {
+    for (int64_t i = 0; i < count; ++i) v[i] += (d == nullptr ? d_all : d[i]) * x[i];
+    return;
+  }
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
     const __m256 dv = d == nullptr ? _mm256_set1_ps(d_all) : _mm256_loadu_ps(d + i);
@@ -54,6 +59,13 @@ inline void skip_and_gate(float* v, const float* x, const float* d, float d_all,
     _mm256_storeu_ps(v + i, _mm256_mul_ps(y, silu8(_mm256_loadu_ps(gate + i))));
   }
   for (; i < count; ++i) v[i] = (v[i] + (d == nullptr ? d_all : d[i]) * x[i]) * silu1(gate[i]);
+}
+
+// v[i] = v[i]·silu(gate[i]), in place.
+inline void gate_pass(float* v, const float* gate, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(v + i), silu8(_mm256_loadu_ps(gate + i))));
+  for (; i < count; ++i) v[i] *= silu1(gate[i]);
 }
 
 // One row's conv step for `count` channels from cs [count, k] (the window), xin [count] (the new
@@ -123,7 +135,7 @@ struct LayerView {
   float *new_conv, *Hn;
   RowWeight in, out;
   int64_t h, conv_dim, k, n;
-  bool d_per_channel, stream;
+  bool d_per_channel, stream, norm_before_gate;
 };
 
 // Thread t's share [begin, end) of `count` items among `threads`, the bounds inside multiples of `align`.
@@ -132,64 +144,85 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t threa
   return {bound(t), bound(t + 1)};
 }
 
+// One Mamba-2 mixer of a batch-1 step on thread t of a team of `team`, inside its parallel region:
+// normed [d] (the block's input, every thread the same floats) -> out [d] (out_proj's output, each
+// thread writing its share of the rows; complete after the caller's next barrier). Shared scratch:
+// zxbcdt [in_proj's rows], act and y [d_inner]; the thread's own: gated [d_inner], bc [2·g·n] and
+// spare [2·g·n·k]. The thread takes a share of in_proj's rows and of the heads, and computes the conv
+// of the groups' B and C channels itself (thread 0 writes their new window once every thread has
+// read the old one). Each state entry is read before it is written, by the thread that writes it,
+// or before a barrier that precedes the write: the new states may be the old ones (new_conv ==
+// conv_state and Hn == H: updated in place). L.gate_norm null: no norm, y·silu(z) straight into
+// out_proj (mamba_ssm's rmsnorm=False); L.norm_before_gate: rmsnorm(y)·silu(z).
+inline void mamba_share(const LayerView& L, const float* normed, float* zxbcdt, float* act, float* y, float* gated,
+                        float* bc, float* spare, float* out, double eps, float lo, float hi, int64_t g, int64_t p,
+                        int64_t t, int64_t team) {
+  const int64_t d_inner = L.h * p, k = L.k, n = L.n;
+  const auto [r0, r1] = share(L.in.out, t, team, 8);
+  row_share(L.in, normed, zxbcdt, r0, r1);
+#pragma omp barrier
+  const float* xBC = zxbcdt + d_inner;  // [x (d_inner), B (g·n), C (g·n)]
+  conv_step(L.conv_state + d_inner * k, xBC + d_inner, L.conv_w + d_inner * k,
+            L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, spare, bc, k, 2 * g * n);
+  const auto [h0, h1] = share(L.h, t, team, 1);
+  conv_step(L.conv_state + h0 * p * k, xBC + h0 * p, L.conv_w + h0 * p * k,
+            L.conv_b == nullptr ? nullptr : L.conv_b + h0 * p, L.new_conv + h0 * p * k, act + h0 * p, k,
+            (h1 - h0) * p);
+  for (int64_t hd = h0; hd < h1; ++hd) {
+    const int64_t group = hd / (L.h / g);
+    head_step(zxbcdt[d_inner + L.conv_dim + hd], L.dt_bias[hd], -std::exp(L.A_log[hd]), lo, hi, act + hd * p,
+              bc + group * n, bc + (g + group) * n, L.H + hd * p * n, L.Hn + hd * p * n, L.stream,
+              L.d_per_channel ? L.D + hd * p : nullptr, L.D[hd], L.norm_before_gate ? nullptr : zxbcdt + hd * p,
+              y + hd * p, p, n);
+  }
+  _mm_sfence();  // the streamed rows are visible before the step returns
+#pragma omp barrier
+  if (t == 0) std::copy(spare, spare + 2 * g * n * k, L.new_conv + d_inner * k);  // read by none now
+  if (L.gate_norm != nullptr) norm_rows(y, d_inner, nullptr, 0, L.gate_norm, gated, d_inner, d_inner / g, eps, 0, 1);
+  if (L.norm_before_gate) gate_pass(gated, zxbcdt, d_inner);
+  const auto [o0, o1] = share(L.out.out, t, team, 8);
+  row_share(L.out, L.gate_norm != nullptr ? gated : y, out, o0, o1);
+}
+
+// The largest in_proj output (at least min_width), d_inner, B and C, and conv window of `views`.
+struct MambaWidths {
+  int64_t widest, inner, bc, window;
+};
+inline MambaWidths mamba_widths(const LayerView* views, int64_t layers, int64_t min_width, int64_t g, int64_t p) {
+  MambaWidths w{min_width, 0, 0, 0};
+  for (int64_t i = 0; i < layers; ++i) {
+    const LayerView& v = views[i];
+    w.widest = std::max(w.widest, v.in.out), w.inner = std::max(w.inner, v.h * p);
+    w.bc = std::max(w.bc, 2 * g * v.n), w.window = std::max(w.window, 2 * g * v.n * v.k);
+  }
+  return w;
+}
+
 // One token through the whole language model at batch 1 (portable_ssm.lm.decode: the residual
 // blocks with their mixers' steps, norm_f and the head), from the embedded token x0 [d]: layers
 // views (checked by the caller), the final norm [d] and the head into out [head.out]; threads: the
 // team's size (1 inside another parallel region).
 //
 // One parallel region runs the whole token, its threads meeting at three barriers a layer
-// (in_proj's output complete, the heads' outputs complete, out_proj's output complete) where a
-// call per kernel forked and joined the threads four times, with dispatch and allocations, between
-// them. Each thread keeps its own copy of the residual and of the normed rows (the same arithmetic
-// on the same values: the same floats), takes a share of each product's rows and of the heads, and
-// computes the conv of the groups' B and C channels itself (thread 0 writes their new window once
-// every thread has read the old one). Each state entry is read before it is written, by the thread
-// that writes it, or before a barrier that precedes the write: the new states may be the old ones
-// (new_conv == conv_state and Hn == H: updated in place).
+// (mamba_share's two, and out_proj's output complete) where a call per kernel forked and joined the
+// threads four times, with dispatch and allocations, between them. Each thread keeps its own copy
+// of the residual and of the normed rows (the same arithmetic on the same values: the same floats).
 inline void decode_model_run(const float* x0, int64_t d, const LayerView* views, int64_t layers,
                              const float* final_norm, const RowWeight& lm_head, float* out, double eps, float lo,
                              float hi, int64_t g, int64_t p, int threads) {
-  int64_t widest = d, most_inner = 0, most_bc = 0, most_window = 0;  // the largest in_proj output, d_inner, B and C
-  for (int64_t i = 0; i < layers; ++i) {
-    const LayerView& v = views[i];
-    widest = std::max(widest, v.in.out), most_inner = std::max(most_inner, v.h * p);
-    most_bc = std::max(most_bc, 2 * g * v.n), most_window = std::max(most_window, 2 * g * v.n * v.k);
-  }
-  std::vector<float> zxbcdt(widest), act(most_inner), y(most_inner), hidden(d);
+  const MambaWidths w = mamba_widths(views, layers, d, g, p);
+  std::vector<float> zxbcdt(w.widest), act(w.inner), y(w.inner), hidden(d);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
-    std::vector<float> residual(x0, x0 + d), normed(d), gated(most_inner), bc(most_bc), spare(most_window);
+    std::vector<float> residual(x0, x0 + d), normed(d), gated(w.inner), bc(w.bc), spare(w.window);
     for (int64_t i = 0; i < layers; ++i) {
-      const LayerView& L = views[i];
-      const int64_t d_inner = L.h * p, k = L.k, n = L.n;
       if (i > 0) {
         for (int64_t c = 0; c < d; ++c) residual[c] += hidden[c];
       }
-      norm_rows(residual.data(), d, nullptr, 0, L.norm, normed.data(), d, d, eps, 0, 1);
-      const auto [r0, r1] = share(L.in.out, t, team, 8);
-      row_share(L.in, normed.data(), zxbcdt.data(), r0, r1);
-#pragma omp barrier
-      const float* xBC = zxbcdt.data() + d_inner;  // [x (d_inner), B (g·n), C (g·n)]
-      conv_step(L.conv_state + d_inner * k, xBC + d_inner, L.conv_w + d_inner * k,
-                L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, spare.data(), bc.data(), k, 2 * g * n);
-      const auto [h0, h1] = share(L.h, t, team, 1);
-      conv_step(L.conv_state + h0 * p * k, xBC + h0 * p, L.conv_w + h0 * p * k,
-                L.conv_b == nullptr ? nullptr : L.conv_b + h0 * p, L.new_conv + h0 * p * k, act.data() + h0 * p, k,
-                (h1 - h0) * p);
-      for (int64_t hd = h0; hd < h1; ++hd) {
-        const int64_t group = hd / (L.h / g);
-        head_step(zxbcdt[d_inner + L.conv_dim + hd], L.dt_bias[hd], -std::exp(L.A_log[hd]), lo, hi,
-                  act.data() + hd * p, bc.data() + group * n, bc.data() + (g + group) * n, L.H + hd * p * n,
-                  L.Hn + hd * p * n, L.stream, L.d_per_channel ? L.D + hd * p : nullptr, L.D[hd],
-                  zxbcdt.data() + hd * p, y.data() + hd * p, p, n);
-      }
-      _mm_sfence();  // the streamed rows are visible before the step returns
-#pragma omp barrier
-      if (t == 0) std::copy(spare.data(), spare.data() + 2 * g * n * k, L.new_conv + d_inner * k);  // read by none now
-      norm_rows(y.data(), d_inner, nullptr, 0, L.gate_norm, gated.data(), d_inner, d_inner / g, eps, 0, 1);
-      const auto [o0, o1] = share(d, t, team, 8);
-      row_share(L.out, gated.data(), hidden.data(), o0, o1);
+      norm_rows(residual.data(), d, nullptr, 0, views[i].norm, normed.data(), d, d, eps, 0, 1);
+      mamba_share(views[i], normed.data(), zxbcdt.data(), act.data(), y.data(), gated.data(), bc.data(),
+                  spare.data(), hidden.data(), eps, lo, hi, g, p, t, team);
 #pragma omp barrier
     }
     if (layers > 0) {
@@ -231,14 +264,9 @@ inline void decode_rows_run(const float* x0, int64_t b, int64_t d, const LayerVi
                             float* const* conv_rows, float* const* ssm_rows, const float* final_norm,
                             const RowWeight& lm_head, float* out, double eps, float lo, float hi, int64_t g,
                             int64_t p, bool stream, const Product& product) {
-  int64_t widest = d, most_inner = 0, most_bc = 0, most_window = 0;
-  for (int64_t i = 0; i < layers; ++i) {
-    const LayerView& v = views[i];
-    widest = std::max(widest, v.in.out), most_inner = std::max(most_inner, v.h * p);
-    most_bc = std::max(most_bc, 2 * g * v.n), most_window = std::max(most_window, 2 * g * v.n * v.k);
-  }
-  std::vector<float> residual(x0, x0 + b * d), normed(b * d), zxbcdt(b * widest), gated(b * most_inner),
-      hidden(b * d), act(most_inner), y(most_inner), bc(most_bc), spare(most_window);
+  const MambaWidths w = mamba_widths(views, layers, d, g, p);
+  std::vector<float> residual(x0, x0 + b * d), normed(b * d), zxbcdt(b * w.widest), gated(b * w.inner),
+      hidden(b * d), act(w.inner), y(w.inner), bc(w.bc), spare(w.window);
   for (int64_t i = 0; i < layers; ++i) {
     const LayerView& L = views[i];
     const int64_t d_inner = L.h * p, k = L.k, n = L.n, width = L.in.out;

@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_hybrid.h"
 #include "decode_model.h"
 #include "shared.h"
 
@@ -44,16 +45,16 @@ struct BlasGemm {
   }
 };
 
-// The layers' views of portable_ssm_decode_model's tables (below).
-std::vector<LayerView> layer_views(const int64_t* sizes, void* const* pointers) {
-  const int64_t layers = sizes[0], d = sizes[1], p = sizes[3];
+// `layers` Mamba layers' views from their tables (portable_ssm_decode_model's, below): sizes from
+// s (8 a layer), pointers from ptr (15 a layer); d the residual width, p the head size.
+std::vector<LayerView> layer_views(const int64_t* sizes, void* const* pointers, int64_t layers, int64_t d, int64_t p) {
   const auto f = [pointers](int64_t i) { return static_cast<float*>(pointers[i]); };
   std::vector<LayerView> views(layers);
   for (int64_t i = 0; i < layers; ++i) {
-    const int64_t* s = sizes + 6 + 7 * i;
-    const int64_t at = 5 + 15 * i;
+    const int64_t* s = sizes + 8 * i;
+    const int64_t at = 15 * i;
     LayerView& v = views[i];
-    v.h = s[0], v.conv_dim = s[1], v.k = s[2], v.n = s[3], v.d_per_channel = s[6] != 0;
+    v.h = s[0], v.conv_dim = s[1], v.k = s[2], v.n = s[3], v.d_per_channel = s[6] != 0, v.norm_before_gate = s[7] != 0;
     v.norm = f(at), v.conv_state = f(at + 1), v.conv_w = f(at + 2), v.conv_b = f(at + 3), v.dt_bias = f(at + 4);
     v.A_log = f(at + 5), v.D = f(at + 6), v.gate_norm = f(at + 7), v.H = f(at + 8), v.new_conv = f(at + 9);
     v.Hn = f(at + 10), v.stream = streams(v.Hn, v.n);
@@ -61,6 +62,11 @@ std::vector<LayerView> layer_views(const int64_t* sizes, void* const* pointers) 
     v.out = {pointers[at + 13], s[5], f(at + 14), d, v.h * p};
   }
   return views;
+}
+
+// The whole-model step's layer views (portable_ssm_decode_model's tables).
+std::vector<LayerView> model_views(const int64_t* sizes, void* const* pointers) {
+  return layer_views(sizes + 6, pointers + 5, sizes[0], sizes[1], sizes[3]);
 }
 
 }  // namespace
@@ -118,14 +124,14 @@ double portable_ssm_scan_forward(const int64_t* sizes, void* const* pointers, do
 
 // The whole-model batch-1 decode step (decode_model_run), its arrays checked by the caller
 // (backends/numpy/decode.py): sizes = {layers, d, g, p, head_out, head_kind} then per layer
-// {h, conv_dim, k, n, in_kind, out_kind, d_per_channel}; pointers = {x [d], norm_f [d], head,
+// {h, conv_dim, k, n, in_kind, out_kind, d_per_channel, norm_before_gate}; pointers = {x [d], norm_f [d], head,
 // head_scale, logits [head_out]} then per layer {norm, conv_state, conv_w, conv_b, dt_bias, A_log, D,
 // gate_norm, ssm_state, new_conv, new_ssm, in_w, in_scale, out_w, out_scale} (the scales and conv_b
 // may be null); weights' kinds 0: float32, 1: int8, 2: bfloat16 bits. threads: the team's size.
 void portable_ssm_decode_model(const int64_t* sizes, void* const* pointers, double eps, double low, double high,
                                int64_t threads) {
   const int64_t layers = sizes[0], d = sizes[1], g = sizes[2], p = sizes[3];
-  const std::vector<LayerView> views = layer_views(sizes, pointers);
+  const std::vector<LayerView> views = model_views(sizes, pointers);
   const RowWeight lm_head{pointers[2], sizes[5], static_cast<const float*>(pointers[3]), sizes[4], d};
   decode_model_run(static_cast<const float*>(pointers[0]), d, views.data(), layers,
                    static_cast<const float*>(pointers[1]), lm_head, static_cast<float*>(pointers[4]), eps,
@@ -141,7 +147,7 @@ void portable_ssm_decode_rows(const int64_t* sizes, void* const* pointers, float
                               float* const* ssm_rows, int64_t b, double eps, double low, double high,
                               const int64_t* options, void* sgemm) {
   const int64_t layers = sizes[0], d = sizes[1], g = sizes[2], p = sizes[3];
-  const std::vector<LayerView> views = layer_views(sizes, pointers);
+  const std::vector<LayerView> views = model_views(sizes, pointers);
   const RowWeight lm_head{pointers[2], sizes[5], static_cast<const float*>(pointers[3]), sizes[4], d};
   const bool gemm_here = sgemm != nullptr && options[1] > 0 && b >= options[1];
   const BlasGemm gemm{sgemm, options[2] != 0};
@@ -156,6 +162,53 @@ void portable_ssm_decode_rows(const int64_t* sizes, void* const* pointers, float
   decode_rows_run(static_cast<const float*>(pointers[0]), b, d, views.data(), layers, conv_rows, ssm_rows,
                   static_cast<const float*>(pointers[1]), lm_head, static_cast<float*>(pointers[4]), eps,
                   static_cast<float>(low), static_cast<float>(high), g, p, options[0] != 0, product);
+}
+
+// The hybrid stack's batch-1 decode step (decode_hybrid_run), its arrays checked by the caller
+// (backends/numpy/hybrid.py). sizes = {blocks, n_mamba, n_attn, n_mlp, d, g, p, head_out, head_kind},
+// then per Mamba layer portable_ssm_decode_model's 8, per attention layer {heads, kv, hd, m, slot,
+// rotary, position, q_kind, k_kind, v_kind, o_kind}, per MLP {f, act, gated, up_kind, down_kind},
+// per block {mamba, attention, mlp} (indices, -1: none); pointers = {x [d], norm_f [d], head,
+// head_scale, logits [head_out]}, then per Mamba layer portable_ssm_decode_model's 15, per attention
+// layer {q, q_scale, q_bias, k, k_scale, k_bias, v, v_scale, v_bias, o, o_scale, o_bias, keys,
+// values, valid (bytes)}, per MLP {up, up_scale, down, down_scale}, per block {norm}; reals = {eps,
+// mamba_eps, low, high}, then per attention layer {scale, theta}, per block {multiplier}.
+void portable_ssm_decode_hybrid(const int64_t* sizes, void* const* pointers, const double* reals, int64_t threads) {
+  const int64_t count = sizes[0], n_mamba = sizes[1], n_attn = sizes[2], n_mlp = sizes[3], d = sizes[4], g = sizes[5],
+                p = sizes[6];
+  const int64_t* s = sizes + 9;
+  void* const* ptr = pointers + 5;
+  const std::vector<LayerView> mambas = layer_views(s, ptr, n_mamba, d, p);
+  s += 8 * n_mamba, ptr += 15 * n_mamba;
+  const auto f = [](void* v) { return static_cast<float*>(v); };
+  std::vector<AttnView> attns(n_attn);
+  for (int64_t i = 0; i < n_attn; ++i, s += 11, ptr += 15) {
+    const int64_t heads = s[0], kv = s[1], hd = s[2];
+    AttnView& A = attns[i];
+    A.q = {ptr[0], s[7], f(ptr[1]), heads * hd, d}, A.q_bias = f(ptr[2]);
+    A.k = {ptr[3], s[8], f(ptr[4]), kv * hd, d}, A.k_bias = f(ptr[5]);
+    A.v = {ptr[6], s[9], f(ptr[7]), kv * hd, d}, A.v_bias = f(ptr[8]);
+    A.o = {ptr[9], s[10], f(ptr[10]), d, heads * hd}, A.o_bias = f(ptr[11]);
+    A.keys = f(ptr[12]), A.values = f(ptr[13]), A.valid = static_cast<const uint8_t*>(ptr[14]);
+    A.heads = heads, A.kv = kv, A.hd = hd, A.m = s[3], A.slot = s[4], A.rotary = s[5], A.position = s[6];
+    A.scale = static_cast<float>(reals[4 + 2 * i]), A.theta = static_cast<float>(reals[5 + 2 * i]);
+  }
+  std::vector<MlpView> mlps(n_mlp);
+  for (int64_t i = 0; i < n_mlp; ++i, s += 5, ptr += 4) {
+    const int64_t width = s[0], gated = s[2];
+    mlps[i] = {{ptr[0], s[3], f(ptr[1]), gated ? 2 * width : width, d}, {ptr[2], s[4], f(ptr[3]), d, width}, width,
+               s[1], gated != 0};
+  }
+  std::vector<BlockView> blocks(count);
+  const double* multipliers = reals + 4 + 2 * n_attn;
+  for (int64_t b = 0; b < count; ++b, s += 3, ++ptr) {
+    blocks[b] = {f(ptr[0]), s[0] < 0 ? nullptr : &mambas[s[0]], s[1] < 0 ? nullptr : &attns[s[1]],
+                 s[2] < 0 ? nullptr : &mlps[s[2]], static_cast<float>(multipliers[b])};
+  }
+  const RowWeight lm_head{pointers[2], sizes[8], f(pointers[3]), sizes[7], d};
+  decode_hybrid_run(f(pointers[0]), d, blocks.data(), count, mambas.data(), n_mamba, f(pointers[1]), lm_head,
+                    f(pointers[4]), reals[0], reals[1], static_cast<float>(reals[2]), static_cast<float>(reals[3]), g, p,
+                    static_cast<int>(threads));
 }
 
 }  // extern "C"

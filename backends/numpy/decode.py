@@ -33,7 +33,7 @@ from .threads import workers
 #: The weight storage the library reads, by its kind number (``WeightKind`` of decode_model.h).
 WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.uint16): 2}
 #: Entries of the tables before the layers' and per layer.
-_HEAD_SIZES, _LAYER_SIZES, _HEAD_POINTERS, _LAYER_POINTERS = 6, 7, 5, 15
+_HEAD_SIZES, _LAYER_SIZES, _HEAD_POINTERS, _LAYER_POINTERS = 6, 8, 5, 15
 #: The least weight bytes a thread of the step reads: about 0.1 ms at a core's streaming rate.
 BYTES_PER_THREAD = 1 << 20
 #: Per-call pointers in a layer's entries: conv_state, ssm_state, new_conv, new_ssm.
@@ -86,6 +86,54 @@ def _address(a: np.ndarray | None) -> int:
     return 0 if a is None else a.ctypes.data
 
 
+def mamba_row(params: dict[str, Any], prefix: str, norm: np.ndarray, d: int, g: int, p: int, gate_norm: bool = True,
+              norm_before_gate: bool = False) -> tuple[list[np.ndarray | None], list[int], tuple[int, ...],
+                                                       tuple[int, ...]]:
+    """The Mamba-2 mixer under ``prefix`` (``layers.{i}.mixer.``) as the library reads a layer: its
+    15 table entries (None: a null pointer; ``norm`` the block's RMSNorm weight first), its 8 sizes,
+    and its conv and SSM states' shapes at batch 1. ``gate_norm``: the gated RMSNorm's weight is read
+    (mamba_ssm's rmsnorm), else none is (y·silu(z) straight into out_proj); ``norm_before_gate``:
+    rmsnorm(y)·silu(z) instead of rmsnorm(y·silu(z)). ValueError naming the
+    first array that does not fit (in_proj's output ``[z, xBC, dt]``, no projection biases)."""
+    def get(leaf: str) -> Any:
+        return params.get(prefix + leaf)
+
+    for leaf in ("in_proj.bias", "out_proj.bias"):
+        if get(leaf) is not None:
+            raise ValueError(f"decode_model: {prefix}{leaf} must be absent (the kernel adds no projection biases)")
+    dt_bias = get("dt_bias")
+    h = getattr(dt_bias, "shape", (0,))[0] if getattr(dt_bias, "ndim", 0) == 1 else 0
+    if h <= 0 or h % g:
+        raise ValueError(f"decode_model: {prefix}dt_bias must be [nheads] with nheads a positive multiple of "
+                         f"ngroups={g}, got {getattr(dt_bias, 'shape', None)}")
+    taps = get("conv1d.weight")
+    conv_dim = getattr(taps, "shape", (0,))[0]
+    n2 = conv_dim - h * p
+    if taps is None or taps.ndim != 3 or n2 <= 0 or n2 % (2 * g):
+        raise ValueError(f"decode_model: {prefix}conv1d.weight must be [d_inner + 2·ngroups·d_state, 1, d_conv] "
+                         f"for d_inner={h * p}, got {getattr(taps, 'shape', None)}")
+    n, k = n2 // (2 * g), taps.shape[2]
+    bias, D = get("conv1d.bias"), get("D")
+    row = [norm, None, _float32(taps, prefix + "conv1d.weight", (conv_dim, 1, k)),
+           None if bias is None else _float32(bias, prefix + "conv1d.bias", (conv_dim,)),
+           _float32(dt_bias, prefix + "dt_bias", (h,)), _float32(get("A_log"), prefix + "A_log", (h,)),
+           _float32(D, prefix + "D", (h, p) if getattr(D, "ndim", 1) == 2 else (h,)),
+           _float32(get("norm.weight"), prefix + "norm.weight", (h * p,)) if gate_norm else None, None, None, None]
+    w_in, in_kind, in_scale = _weight(get("in_proj.weight"), prefix + "in_proj.weight", (2 * h * p + 2 * g * n + h, d))
+    w_out, out_kind, out_scale = _weight(get("out_proj.weight"), prefix + "out_proj.weight", (d, h * p))
+    sizes = [h, conv_dim, k, n, in_kind, out_kind, D.ndim == 2, norm_before_gate]
+    return (row + [w_in, in_scale, w_out, out_scale], sizes,
+            (1, conv_dim, k), (1, h, p, n))
+
+
+def head_row(params: dict[str, Any], weight: Any, d: int) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
+    """``(norm_f, head data, head kind, head scale or None)`` as the library reads them."""
+    norm_f = _float32(params.get("norm_f.weight"), "norm_f.weight", (d,))
+    rows = getattr(weight, "shape", (0,))[0]
+    head, kind, scale = _weight(weight, "the head's weight", (rows, d))
+    return norm_f, head, kind, scale
+
+
 def plan(params: dict[str, Any], config: Mamba2Config) -> Plan:
     """``params`` of ``config``'s language model checked and gathered for :func:`decode_model`: the
     variant the kernel computes (in_proj's output ``[z, xBC, dt]``, no projection biases, float32
@@ -99,53 +147,20 @@ def plan(params: dict[str, Any], config: Mamba2Config) -> Plan:
     d, g, p = c.d_model, c.ngroups, c.headdim
     sizes, pointers, arrays, convs, ssms = [], [], [], [], []
     for i in range(c.n_layer):
-        def get(leaf: str, i: int = i) -> Any:
-            return params.get(f"layers.{i}.{leaf}")
-
-        for leaf in ("mixer.in_proj.bias", "mixer.out_proj.bias"):
-            if get(leaf) is not None:
-                raise ValueError(f"decode_model: layers.{i}.{leaf} must be absent (the kernel adds no projection "
-                                 "biases)")
-        dt_bias = get("mixer.dt_bias")
-        h = getattr(dt_bias, "shape", (0,))[0] if getattr(dt_bias, "ndim", 0) == 1 else 0
-        if h <= 0 or h % g:
-            raise ValueError(f"decode_model: layers.{i}.mixer.dt_bias must be [nheads] with nheads a positive "
-                             f"multiple of ngroups={g}, got {getattr(dt_bias, 'shape', None)}")
-        taps = get("mixer.conv1d.weight")
-        conv_dim = getattr(taps, "shape", (0,))[0]
-        n2 = conv_dim - h * p
-        if taps is None or taps.ndim != 3 or n2 <= 0 or n2 % (2 * g):
-            raise ValueError(f"decode_model: layers.{i}.mixer.conv1d.weight must be [d_inner + 2·ngroups·d_state, "
-                             f"1, d_conv] for d_inner={h * p}, got {getattr(taps, 'shape', None)}")
-        n, k = n2 // (2 * g), taps.shape[2]
-        name = f"layers.{i}.mixer."
-        row = [_float32(get("norm.weight"), f"layers.{i}.norm.weight", (d,)), None,
-               _float32(taps, name + "conv1d.weight", (conv_dim, 1, k))]
-        bias = get("mixer.conv1d.bias")
-        row.append(None if bias is None else _float32(bias, name + "conv1d.bias", (conv_dim,)))
-        D = get("mixer.D")
-        row += [_float32(dt_bias, name + "dt_bias", (h,)), _float32(get("mixer.A_log"), name + "A_log", (h,)),
-                _float32(D, name + "D", (h, p) if getattr(D, "ndim", 1) == 2 else (h,)),
-                _float32(get("mixer.norm.weight"), name + "norm.weight", (h * p,)), None, None, None]
-        w_in, in_kind, in_scale = _weight(get("mixer.in_proj.weight"), name + "in_proj.weight",
-                                          (2 * h * p + 2 * g * n + h, d))
-        w_out, out_kind, out_scale = _weight(get("mixer.out_proj.weight"), name + "out_proj.weight", (d, h * p))
-        row += [w_in, in_scale, w_out, out_scale]
+        norm = _float32(params.get(f"layers.{i}.norm.weight"), f"layers.{i}.norm.weight", (d,))
+        row, layer_sizes, conv, ssm = mamba_row(params, f"layers.{i}.mixer.", norm, d, g, p)
         pointers += [_address(a) for a in row]
         arrays += [a for a in row if a is not None]
-        sizes += [h, conv_dim, k, n, in_kind, out_kind, D.ndim == 2]
-        convs.append((1, conv_dim, k))
-        ssms.append((1, h, p, n))
-    norm_f = _float32(params.get("norm_f.weight"), "norm_f.weight", (d,))
-    head_param = lm.head_weight(params, c)
-    rows = getattr(head_param, "shape", (0,))[0]
-    head, head_kind, head_scale = _weight(head_param, "the head's weight", (rows, d))
+        sizes += layer_sizes
+        convs.append(conv)
+        ssms.append(ssm)
+    norm_f, head, head_kind, head_scale = head_row(params, lm.head_weight(params, c), d)
     arrays += [a for a in (norm_f, head, head_scale) if a is not None]
-    return Plan(np.array([c.n_layer, d, g, p, rows, head_kind, *sizes], dtype=np.int64),
+    return Plan(np.array([c.n_layer, d, g, p, head.shape[0], head_kind, *sizes], dtype=np.int64),
                 np.array([0, norm_f.ctypes.data, head.ctypes.data, _address(head_scale), 0, *pointers],
                          dtype=np.uintp),
-                tuple(convs), tuple(ssms), d, rows, float(c.norm_eps), tuple(map(float, c.dt_limit)), tuple(arrays),
-                sum(a.nbytes for a in arrays))
+                tuple(convs), tuple(ssms), d, head.shape[0], float(c.norm_eps), tuple(map(float, c.dt_limit)),
+                tuple(arrays), sum(a.nbytes for a in arrays))
 
 
 def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:

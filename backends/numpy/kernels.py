@@ -87,6 +87,7 @@ _SIGNATURES = {
     "portable_ssm_decode_model": [_POINTER, _POINTER, ctypes.c_double, ctypes.c_double, ctypes.c_double, _INT],
     "portable_ssm_decode_rows": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, ctypes.c_double, ctypes.c_double,
                                  ctypes.c_double, _POINTER, _POINTER],
+    "portable_ssm_decode_hybrid": [_POINTER, _POINTER, _POINTER, _INT],
 }
 _RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double}
 

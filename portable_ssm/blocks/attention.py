@@ -237,7 +237,8 @@ def attention(x: Array, p: dict[str, Array], spec: AttentionSpec, cache: KVCache
 def attend(q: Array, k: Array, v: Array, visible: Array, scale: float, *, xp: Namespace) -> Array:
     """``softmax(scale·q·kᵀ where visible) · v`` with grouped heads: ``q [b, h, l, hd]``, ``k, v
     [b, kv, m, hd]``, ``visible [b, l, m]`` -> ``[b, h, l, hd]`` in q's dtype. A query with no
-    visible slot (left padding) spreads evenly, as transformers' additive mask does: finite, never NaN."""
+    visible slot (left padding) spreads evenly, as transformers' additive mask does: finite, never NaN
+    (nor is a NaN in a slot no query sees, e.g. one a later step of another branch wrote, read)."""
     b, h, l, hd = q.shape
     kv = k.shape[1]
     cdtype = compute_dtype(xp, q.dtype)
@@ -249,6 +250,8 @@ def attend(q: Array, k: Array, v: Array, visible: Array, scale: float, *, xp: Na
     scores = scores - xp.max(scores, axis=-1, keepdims=True)
     weights = xp.exp(scores)
     weights = weights / xp.sum(weights, axis=-1, keepdims=True)
+    seen = xp.any(visible, axis=1)[:, None, None, :, None]  # [b, m] -> [b, 1, 1, m, 1]: slots some query sees
+    vc = xp.where(seen, vc, xp.zeros_like(vc))  # an unseen slot's value (a NaN, a later branch's) weighs exactly 0
     out = xp.matmul(weights, vc)  # [b, kv, rep, l, hd]
     return xp.astype(xp.reshape(out, (b, h, l, hd)), q.dtype)  # [b, kv, rep, l, hd] -> [b, h, l, hd]
 

@@ -1,0 +1,240 @@
+// The hybrid stack's batch-1 decode step in plain pointers (portable_ssm.stack.run_layers for one
+// token): a list of residual blocks, each a Mamba-2 mixer, an attention layer, both on one input
+// (Falcon-H1's parallel mixer) or an MLP, behind its RMSNorm and residual multiplier, then norm_f
+// and the head, in one OpenMP parallel region as decode_model_run runs the pure model. NumPy's
+// library exports it as portable_ssm_decode_hybrid (numpy_kernels.cpp), its arrays checked in
+// backends/numpy/hybrid.py.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "decode_model.h"
+#include "shared.h"
+
+namespace {
+
+// One attention layer's weights and this token's view of its KV cache: q/k/v/o products (biases
+// or null), keys and values [kv, m, hd] (batch row 0) into which this token's land at `slot`,
+// valid [m] (the slots holding real tokens, this one's included), RoPE on the first `rotary`
+// channels of each head at `position` (0: none) with base theta, scores scaled by `scale`.
+struct AttnView {
+  RowWeight q, k, v, o;
+  const float *q_bias, *k_bias, *v_bias, *o_bias;
+  float *keys, *values;
+  const uint8_t* valid;
+  int64_t heads, kv, hd, m, slot, rotary, position;
+  float scale, theta;
+};
+
+// An MLP's weights: up [2f or f, d] (gated: [gate; up]), down [d, f]; act 0: SiLU, 1: relu².
+struct MlpView {
+  RowWeight up, down;
+  int64_t f, act;
+  bool gated;
+};
+
+// A residual block: norm [d], then the parts it has (null: not), their outputs summed, times multiplier.
+struct BlockView {
+  const float* norm;
+  const LayerView* mamba;
+  const AttnView* attn;
+  const MlpView* mlp;
+  float multiplier;
+};
+
+// v[i] += bias[i] for i in [begin, end) (bias null: nothing).
+inline void add_bias(float* v, const float* bias, int64_t begin, int64_t end) {
+  if (bias == nullptr) return;
+  for (int64_t i = begin; i < end; ++i) v[i] += bias[i];
+}
+
+// RoPE (transformers' rotate_half) on the first r channels of one head v [hd], in place, with
+// cos/sin [r/2] (the frequencies repeat in the second half).
+inline void rope_head(float* v, const float* cos, const float* sin, int64_t r) {
+  const int64_t half = r / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * cos[i] - b * sin[i];
+    v[i + half] = b * cos[i] + a * sin[i];
+  }
+}
+
+// out [c, hd] = softmax over the visible slots s <= slot of scale·q_j·keys[s] (c query heads q [c,
+// hd] of one KV head), times values[s]: each key and value row read once for the c heads. scores:
+// the thread's own [c, slot + 1]. An invisible slot's weight is exactly 0.
+inline void attend_group(const float* q, int64_t c, const float* keys, const float* values, const uint8_t* valid,
+                         int64_t slot, int64_t hd, float scale, float* scores, float* out) {
+  const int64_t count = slot + 1;
+  for (int64_t s = 0; s < count; ++s) {
+    for (int64_t j = 0; j < c; ++j) {
+      scores[j * count + s] = valid[s] ? inner(q + j * hd, keys + s * hd, hd) * scale : -INFINITY;
+    }
+  }
+  for (int64_t j = 0; j < c; ++j) {
+    float* e = scores + j * count;
+    float top = -INFINITY;
+    for (int64_t s = 0; s < count; ++s) top = std::max(top, e[s]);
+    const __m256 vtop = _mm256_set1_ps(top), hidden = _mm256_set1_ps(-INFINITY);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= count; s += 8) {
+      const __m256 v = _mm256_loadu_ps(e + s);
+      const __m256 w = _mm256_andnot_ps(_mm256_cmp_ps(v, hidden, _CMP_EQ_OQ), exp8(_mm256_sub_ps(v, vtop)));
+      _mm256_storeu_ps(e + s, w);
+      acc = _mm256_add_ps(acc, w);
+    }
+    float total = horizontal_sum(acc);
+    for (; s < count; ++s) {
+      e[s] = e[s] == -INFINITY ? 0.f : std::exp(e[s] - top);
+      total += e[s];
+    }
+    for (int64_t i = 0; i < hd; ++i) out[j * hd + i] = 0.f;
+    for (s = 0; s < count; ++s) {
+      if (e[s] == 0.f) continue;
+      const float* row = values + s * hd;
+      float* o = out + j * hd;
+      const __m256 w = _mm256_set1_ps(e[s]);
+      int64_t i = 0;
+      for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(row + i), _mm256_loadu_ps(o + i)));
+      for (; i < hd; ++i) o[i] += e[s] * row[i];
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < hd; ++i) out[j * hd + i] *= inv;
+  }
+}
+
+// One attention layer of a batch-1 step on thread t of `team` (see mamba_share): normed [d] -> out
+// [d] (o_proj's rows shared; complete after the caller's next barrier). Shared scratch: q [h·hd],
+// fresh [2·kv·hd] (the new key and value), heads [h·hd]; the thread's own: scores [rep·m], rope [r].
+// The new key and value are written into the cache at A.slot before any thread attends.
+inline void attention_share(const AttnView& A, const float* normed, float* q, float* fresh, float* heads,
+                            float* scores, float* rope, float* out, int64_t t, int64_t team) {
+  const int64_t hd = A.hd, rep = A.heads / A.kv, kw = A.kv * hd;
+  const auto products = [&](const RowWeight& w, const float* bias, float* y) {
+    const auto [r0, r1] = share(w.out, t, team, 8);
+    row_share(w, normed, y, r0, r1);
+    add_bias(y, bias, r0, r1);
+  };
+  products(A.q, A.q_bias, q);
+  products(A.k, A.k_bias, fresh);
+  products(A.v, A.v_bias, fresh + kw);
+  const int64_t half = A.rotary / 2;
+  for (int64_t i = 0; i < half; ++i) {  // transformers' rope tables in float32: inv_freq = theta^(-2i/r)
+    const float inv_freq = 1.f / std::pow(A.theta, static_cast<float>(2 * i) / static_cast<float>(A.rotary));
+    const float angle = static_cast<float>(A.position) * inv_freq;
+    rope[i] = std::cos(angle), rope[half + i] = std::sin(angle);
+  }
+#pragma omp barrier
+  const auto [k0, k1] = share(A.kv, t, team, 1);
+  for (int64_t kh = k0; kh < k1; ++kh) {
+    float* key = fresh + kh * hd;
+    if (half) rope_head(key, rope, rope + half, A.rotary);
+    std::copy(key, key + hd, A.keys + (kh * A.m + A.slot) * hd);
+    std::copy(fresh + kw + kh * hd, fresh + kw + (kh + 1) * hd, A.values + (kh * A.m + A.slot) * hd);
+  }
+  const int64_t parts = std::min(rep, std::max<int64_t>(1, (team + A.kv - 1) / A.kv));  // items per KV head
+  const auto [i0, i1] = share(A.kv * parts, t, team, 1);
+  for (int64_t item = i0; item < i1; ++item) {  // this thread's query heads rope'd before the barrier
+    const int64_t kh = item / parts, part = item % parts;
+    for (int64_t j = kh * rep + rep * part / parts; j < kh * rep + rep * (part + 1) / parts; ++j) {
+      if (half) rope_head(q + j * hd, rope, rope + half, A.rotary);
+    }
+  }
+#pragma omp barrier
+  for (int64_t item = i0; item < i1; ++item) {
+    const int64_t kh = item / parts, part = item % parts;
+    const int64_t j0 = kh * rep + rep * part / parts, j1 = kh * rep + rep * (part + 1) / parts;
+    attend_group(q + j0 * hd, j1 - j0, A.keys + kh * A.m * hd, A.values + kh * A.m * hd, A.valid, A.slot, hd,
+                 A.scale, scores, heads + j0 * hd);
+  }
+#pragma omp barrier
+  const auto [o0, o1] = share(A.o.out, t, team, 8);
+  row_share(A.o, heads, out, o0, o1);
+  add_bias(out, A.o_bias, o0, o1);
+}
+
+// One MLP of a batch-1 step on thread t of `team`: normed [d] -> out [d] (down's rows shared;
+// complete after the caller's next barrier). Shared scratch: up [2f or f], act [f].
+inline void mlp_share(const MlpView& M, const float* normed, float* up, float* act, float* out, int64_t t,
+                      int64_t team) {
+  const auto [r0, r1] = share(M.up.out, t, team, 8);
+  row_share(M.up, normed, up, r0, r1);
+#pragma omp barrier
+  const auto [a0, a1] = share(M.f, t, team, 8);
+  const float* lin = M.gated ? up + M.f : nullptr;  // gated: act(gate)·up, gate the first half
+  if (M.act == 0) {
+    std::copy(up + a0, up + a1, act + a0);
+    silu_pass(act + a0, a1 - a0);
+  } else {
+    for (int64_t i = a0; i < a1; ++i) act[i] = up[i] > 0.f ? up[i] * up[i] : 0.f;
+  }
+  if (lin != nullptr) {
+    for (int64_t i = a0; i < a1; ++i) act[i] *= lin[i];
+  }
+#pragma omp barrier
+  const auto [o0, o1] = share(M.down.out, t, team, 8);
+  row_share(M.down, act, out, o0, o1);
+}
+
+// Sizes of the scratch a hybrid step's blocks need at most.
+struct HybridWidths {
+  MambaWidths mamba;
+  int64_t q, fresh, scores, rope, up, f;
+};
+
+// One token through the hybrid stack at batch 1 from the embedded token x0 [d]: the blocks (their
+// views checked by the caller), the final norm [d] and the head into out [head.out]; mambas: the
+// Mamba views the blocks point into (for the scratch sizes); threads: the team's size. Each thread
+// keeps its own residual and normed rows; every part ends at a barrier, then each thread adds the
+// block's output (the two parts' sum for a parallel mixer) times its multiplier to its residual.
+inline void decode_hybrid_run(const float* x0, int64_t d, const BlockView* blocks, int64_t count,
+                              const LayerView* mambas, int64_t n_mamba, const float* final_norm,
+                              const RowWeight& lm_head, float* out, double eps, double mamba_eps, float lo, float hi,
+                              int64_t g, int64_t p, int threads) {
+  HybridWidths w{mamba_widths(mambas, n_mamba, d, g, p), 0, 0, 0, 0, 0, 0};
+  for (int64_t b = 0; b < count; ++b) {
+    if (const AttnView* A = blocks[b].attn) {
+      w.q = std::max(w.q, A->heads * A->hd), w.fresh = std::max(w.fresh, 2 * A->kv * A->hd);
+      w.scores = std::max(w.scores, A->heads / A->kv * A->m), w.rope = std::max(w.rope, A->rotary);
+    }
+    if (const MlpView* M = blocks[b].mlp) w.up = std::max(w.up, M->up.out), w.f = std::max(w.f, M->f);
+  }
+  std::vector<float> zxbcdt(w.mamba.widest), act(w.mamba.inner), y(w.mamba.inner), hidden(d), second(d), q(w.q),
+      fresh(w.fresh), heads(w.q), up(w.up), mlp_act(w.f);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    std::vector<float> residual(x0, x0 + d), normed(d), gated(w.mamba.inner), bc(w.mamba.bc), spare(w.mamba.window),
+        scores(w.scores), rope(w.rope);
+    for (int64_t b = 0; b < count; ++b) {
+      const BlockView& B = blocks[b];
+      norm_rows(residual.data(), d, nullptr, 0, B.norm, normed.data(), d, d, eps, 0, 1);
+      if (B.mamba != nullptr) {
+        mamba_share(*B.mamba, normed.data(), zxbcdt.data(), act.data(), y.data(), gated.data(), bc.data(),
+                    spare.data(), hidden.data(), mamba_eps, lo, hi, g, p, t, team);
+      }
+      if (B.attn != nullptr) {
+        attention_share(*B.attn, normed.data(), q.data(), fresh.data(), heads.data(), scores.data(), rope.data(),
+                        B.mamba != nullptr ? second.data() : hidden.data(), t, team);
+      }
+      if (B.mlp != nullptr) mlp_share(*B.mlp, normed.data(), up.data(), mlp_act.data(), hidden.data(), t, team);
+#pragma omp barrier
+      const float m = B.multiplier;
+      if (B.mamba != nullptr && B.attn != nullptr) {
+        for (int64_t c = 0; c < d; ++c) residual[c] += (hidden[c] + second[c]) * m;
+      } else {
+        for (int64_t c = 0; c < d; ++c) residual[c] += hidden[c] * m;
+      }
+    }
+    norm_rows(residual.data(), d, nullptr, 0, final_norm, normed.data(), d, d, eps, 0, 1);
+    const auto [v0, v1] = share(lm_head.out, t, team, 8);
+    row_share(lm_head, normed.data(), out, v0, v1);
+  }
+}
+
+}  // namespace

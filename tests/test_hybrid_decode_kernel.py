@@ -1,0 +1,214 @@
+"""NumPy's fused hybrid decode step (``backends/numpy/hybrid.py``, ``decode_hybrid_run`` of
+``backends/cpu/decode_hybrid.h``) against its twin, the array-API step of the hybrid stack: the
+same logits and states, token after token, for every block kind the kernel computes, at every
+weight precision; KV caches written in place without changing any state already returned; the
+variants it does not compute left to the reference. (The families' transformers oracles in
+test_families.py and test_hybrid_generation.py run through it too: batch-1 NumPy steps.)"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from portable_ssm.backends import numpy as numpy_backend
+from portable_ssm.backends.numpy import hybrid, kernels
+
+from portable_ssm.blocks import AttentionSpec, MLPSpec, MoESpec
+from portable_ssm.config import Mamba2Config
+from portable_ssm.hybrid_lm import HybridLM
+from portable_ssm.stack import HybridConfig, param_shapes
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="NumPy's CPU kernels are not built here")
+
+
+def _mamba(**kw) -> Mamba2Config:
+    return Mamba2Config(**{**dict(d_model=32, expand=1, n_layer=1, d_state=8, headdim=8, ngroups=2,
+                                  vocab_size=None), **kw})
+
+
+#: One config per block arrangement the kernel computes.
+CONFIGS = {
+    # Granite-4.0-H: (mamba | attention, gated SiLU MLP), no RoPE, GQA, multipliers, tied head
+    "granite": HybridConfig(d_model=24, vocab_size=80,
+                            layers=(("mamba", "mlp"), ("attention", "mlp"), ("mamba", "mlp")),
+                            mamba=_mamba(), attention=AttentionSpec(6, 2, 8, 0.3), mlp=MLPSpec("silu", True), d_ff=20,
+                            embedding_multiplier=2.0, residual_multiplier=0.7, logits_scaling=3.0,
+                            tie_embeddings=True),
+    # Falcon-H1: parallel Mamba + attention with RoPE, norm-before-gate Mamba norm, D per head
+    "falcon": HybridConfig(d_model=24, vocab_size=80, layers=(("parallel", "mlp"), ("parallel", "mlp")),
+                           mamba=_mamba(norm_before_gate=True), attention=AttentionSpec(4, 2, 8, 8 ** -0.5, 8, 1e4),
+                           mlp=MLPSpec("silu", True), d_ff=16, embedding_multiplier=1.5, logits_scaling=1 / 0.7),
+    # Falcon-H1's default: no Mamba norm at all (y·silu(z) into out_proj); one KV head for six
+    "falcon_no_norm": HybridConfig(d_model=24, vocab_size=80, layers=(("parallel", "mlp"),),
+                                   mamba=_mamba(rmsnorm=False), attention=AttentionSpec(6, 1, 8, 0.2, 8),
+                                   mlp=MLPSpec("silu", True), d_ff=16),
+    # Nemotron-H: one block a layer, relu² MLP, biased attention with partial RoPE
+    "nemotron": HybridConfig(d_model=24, vocab_size=80,
+                             layers=(("mamba", None), ("attention", None), (None, "mlp"), ("mamba", None)),
+                             mamba=_mamba(ngroups=4), attention=AttentionSpec(4, 4, 6, 0.4, 4, bias=True),
+                             mlp=MLPSpec("relu2", False), d_ff=28),
+}
+
+
+def _params(config: HybridConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights U(±1/sqrt(fan_in)), norms around one, A_log log(1..h), dt_bias softplus⁻¹(0.05)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in param_shapes(config).items():
+        if name.endswith("A_log"):
+            out[name] = np.log(np.arange(1, shape[0] + 1, dtype=np.float32))
+        elif name.endswith("dt_bias"):
+            out[name] = np.full(shape, math.log(math.expm1(0.05)), dtype=np.float32)
+        elif len(shape) == 1 or name.endswith(".D"):
+            out[name] = (1 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            bound = 1.0 / math.sqrt(math.prod(shape[1:]))
+            out[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
+    return out
+
+
+@contextlib.contextmanager
+def reference() -> Iterator[None]:
+    """A context in which ``HybridLM.step`` runs the array-API step (the fast op removed)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delitem(numpy_backend.FAST_OPS, "decode_hybrid")
+        yield
+
+
+def _steps(lm: HybridLM, state, tokens: list[int]) -> tuple[list[np.ndarray], object]:
+    out = []
+    for t in tokens:
+        logits, state = lm.step(np.array([t]), state)
+        out.append(logits)
+    return out, state
+
+
+def _counting(monkeypatch) -> list[bool]:
+    """Records whether each call of the fast op computed the step (True) or declined (False)."""
+    calls: list[bool] = []
+    hook = numpy_backend.FAST_OPS["decode_hybrid"]
+
+    def counted(*args):
+        out = hook(*args)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setitem(numpy_backend.FAST_OPS, "decode_hybrid", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_hybrid_step_equals_the_array_api_step_token_after_token(name, kind, monkeypatch):
+    lm = HybridLM(_params(CONFIGS[name]), CONFIGS[name]).quantize(kind)
+    prompt = np.array([[3, 17, 5, 60, 2, 9]])
+    _, start = lm.prefill(prompt, max_len=16)
+    tokens = [4, 71, 12, 33, 8, 50, 1]
+    with reference():
+        want, want_state = _steps(lm, start, tokens)
+    calls = _counting(monkeypatch)
+    got, got_state = _steps(lm, start, tokens)
+    assert calls == [True] * len(tokens)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+    for g, w in zip((*got_state.conv, *got_state.ssm), (*want_state.conv, *want_state.ssm)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    n = prompt.shape[1] + len(tokens)  # slots written: the caches agree there (the rest is never read)
+    for g, w in zip(got_state.kv, want_state.kv):
+        np.testing.assert_allclose(g.k[:, :, :n], w.k[:, :, :n], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(g.v[:, :, :n], w.v[:, :, :n], rtol=1e-4, atol=1e-5)
+    for field in ("valid", "length", "seen"):
+        np.testing.assert_array_equal(getattr(got_state.positions, field), getattr(want_state.positions, field))
+
+
+def test_fused_step_attends_only_to_a_left_padded_rows_real_tokens():
+    config = CONFIGS["falcon"]
+    lm = HybridLM(_params(config), config)
+    ids, mask = np.array([[0, 0, 7, 3, 11]]), np.array([[0, 0, 1, 1, 1]])
+    _, state = lm.prefill(ids, attention_mask=mask, max_len=9)
+    with reference():
+        want, _ = _steps(lm, state, [5, 6, 2])
+    got, _ = _steps(lm, state, [5, 6, 2])
+    alone, _ = _steps(lm, lm.prefill(ids[:, 2:], max_len=7)[1], [5, 6, 2])
+    for g, w, a in zip(got, want, alone):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+        np.testing.assert_allclose(g, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
+
+
+def test_a_state_stepped_twice_branches_without_changing_any_returned_state():
+    config = CONFIGS["granite"]
+    lm = HybridLM(_params(config), config)
+    _, start = lm.prefill(np.array([[3, 17, 5]]), max_len=12)
+    _, one = lm.step(np.array([4]), start)  # the caches now belong to the fused path: written in place next
+    kept = [(kv.k.copy(), kv.v.copy()) for kv in one.kv]
+    a_logits, a = lm.step(np.array([9]), one)  # in place: slot 4 of one's buffers
+    b_logits, b = lm.step(np.array([40]), one)  # the same slot again: must go to a copy
+    a_next, _ = lm.step(np.array([2]), a)
+    for kv, (k, v) in zip(one.kv, kept):  # one's own slots are as they were
+        np.testing.assert_array_equal(kv.k[:, :, :4], k[:, :, :4])
+        np.testing.assert_array_equal(kv.v[:, :, :4], v[:, :, :4])
+    with reference():
+        want_a, ref_a = lm.step(np.array([9]), one)
+        want_b, _ = lm.step(np.array([40]), one)
+        want_next, _ = lm.step(np.array([2]), ref_a)
+    for got, want in ((a_logits, want_a), (b_logits, want_b), (a_next, want_next)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    assert all(x.k is not y.k for x, y in zip(a.kv, b.kv))
+
+
+def _moe_config() -> HybridConfig:
+    c = CONFIGS["granite"]
+    return HybridConfig(d_model=c.d_model, vocab_size=c.vocab_size, layers=(("mamba", "moe"), ("attention", "mlp")),
+                        mamba=c.mamba, attention=c.attention, mlp=c.mlp, moe=MoESpec(4, 2, "softmax", c.mlp), d_ff=20,
+                        d_expert=12, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("variant", ["moe", "attention conv", "gelu"])
+def test_variants_the_kernel_does_not_compute_run_the_reference(variant, monkeypatch):
+    c = CONFIGS["granite"]
+    config = {"moe": _moe_config,
+              "attention conv": lambda: replace(c, attention=AttentionSpec(6, 2, 8, 0.3, conv=3)),
+              "gelu": lambda: replace(c, mlp=MLPSpec("gelu", True))}[variant]()
+    params = _params(config)
+    with pytest.raises(ValueError, match="decode_hybrid"):
+        hybrid.plan(params, config)
+    lm = HybridLM(params, config)
+    calls = _counting(monkeypatch)
+    logits, _ = lm.step(np.array([3]), lm.empty_state(1, 4))
+    assert calls == [False] and np.isfinite(logits).all()
+
+
+def test_plan_names_the_array_that_does_not_fit():
+    config = CONFIGS["nemotron"]
+    params = _params(config)
+    params["layers.1.mixer.k_proj.weight"] = params["layers.1.mixer.k_proj.weight"][:, :-1]
+    with pytest.raises(ValueError, match=r"layers\.1\.mixer\.k_proj\.weight"):
+        hybrid.plan(params, config)
+
+
+def test_batches_and_pools_take_the_array_api_step(monkeypatch):
+    config = CONFIGS["granite"]
+    lm = HybridLM(_params(config), config)
+    _, state = lm.prefill(np.array([[3, 17], [5, 6]]), max_len=6)
+    calls = _counting(monkeypatch)
+    lm.step(np.array([1, 2]), state)
+    assert calls == [False]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_nan_in_a_slot_the_state_does_not_hold_never_reaches_the_logits(fused):
+    config = CONFIGS["falcon"]
+    lm = HybridLM(_params(config), config)
+    _, state = lm.prefill(np.array([[3, 17, 5]]), max_len=8)
+    poisoned = state._replace(kv=tuple(kv._replace(k=kv.k.copy(), v=kv.v.copy()) for kv in state.kv))
+    for kv in poisoned.kv:  # slots 4.. are past the state's tokens (and the one this step writes)
+        kv.k[:, :, 4:] = np.nan
+        kv.v[:, :, 4:] = np.nan
+    with contextlib.nullcontext() if fused else reference():
+        want, _ = lm.step(np.array([9]), state)
+        got, _ = lm.step(np.array([9]), poisoned)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
