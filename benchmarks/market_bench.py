@@ -14,10 +14,11 @@ i.e. expand 4); they name no heads (their scan is not Mamba-2's), so headdim is 
 (16 heads), and 2 layers is this benchmark's choice. Its weights are 6.1 MiB, its state 130 KiB per
 instrument. The second shape is the one the tables before 2026-12-06 18:20 UTC called the seed shape:
 ``Mamba2Config(d_model=256, n_layer=2)``, i.e. d_state 128 and expand 2 (3.7 MiB of weights, 520 KiB
-of state per instrument). Paths: ``StreamPredictor`` (one instrument, features rebuilt from Bars,
-``portable_ssm.step``); ``MarketStream, per row`` (the step before 2026-12-06 18:20 UTC: NumPy's
-compiled whole-model step one row after another, torch's ``decode_model`` op one row after another,
-its new state copied back); ``MarketStream (new)``: every row in one call of
+of state per instrument). Paths: ``StreamPredictor`` (what a user had before issue 46: one
+instrument, features rebuilt from Bars, ``portable_ssm.step``); ``MarketStream, portable_ssm.step``
+(``fast=False``: that same reference step, for all N rows in one batched call, the old path at
+every N; the per-row native step that the tables of 2026-12-06 18:22 UTC call "per row (old)" was
+removed from MarketStream); ``MarketStream (new)``: every row in one call of
 ``portable_ssm.backends.numpy.rows.RowsStep`` (torch: on zero-copy NumPy views of its tensors), the
 products through the row kernel below ``GEMM_ROWS`` rows and OpenBLAS's sgemm from there; with
 ``--both-products`` also each of the two at every N. Reading: each case runs in a fresh process and
@@ -78,14 +79,12 @@ def _time_old(model, bars, warmup: int) -> dict[str, float]:
 
 
 def _stream(model, n: int, path: str):
-    """``model.stream`` of n instruments on ``path``: "per row" (the step before RowsStep), "new" (the
-    default), "row kernel" or "sgemm" (RowsStep with only that product)."""
+    """``model.stream`` of n instruments on ``path``: "reference" (``fast=False``: portable_ssm.step),
+    "new" (the default), "row kernel" or "sgemm" (RowsStep with only that product)."""
     from portable_ssm.backends.numpy import rows
 
-    stream = model.stream(list(range(n)))
-    if path == "per row":
-        stream._rows_step = None
-    elif path in ("row kernel", "sgemm"):
+    stream = model.stream(list(range(n)), fast=path != "reference")
+    if path in ("row kernel", "sgemm"):
         stream._rows_step = rows.RowsStep(stream._rows_step.model, gemm_rows=0 if path == "row kernel" else 1)
     return stream
 
@@ -113,7 +112,7 @@ def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int, bot
 
     torch.set_num_threads(1)
     rows = []
-    paths = ["per row", "new", *(("row kernel", "sgemm") if both_products else ())]
+    paths = ["reference", "new", *(("row kernel", "sgemm") if both_products else ())]
     with torch.no_grad():
         for shape in SHAPES:
             for backend in ("numpy", "torch"):
@@ -125,7 +124,7 @@ def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int, bot
                 for n in instruments:
                     feed = synthetic_bars("planted", bars_per_n.get(n, 50) + warmup, seed=0)
                     for path in paths:
-                        label = {"per row": "MarketStream, per row (old)", "new": "MarketStream (new)"}.get(
+                        label = {"reference": "MarketStream, portable_ssm.step (old)", "new": "MarketStream (new)"}.get(
                             path, f"MarketStream, RowsStep {path} only")
                         rows.append({"shape": shape, "backend": backend, "path": label, "n": n,
                                      **_time_new(model, feed, n, warmup, path)})

@@ -14,7 +14,7 @@ host-side data tooling that uses NumPy freely, kept out of the array-API core. N
     panel       shared_split, SharedSplit, shared_normaliser, stack_windows: many instruments, one time boundary
     model       MarketModel: backbone, head, normaliser and settings; save / load a run directory
     live        MarketStream: N instruments, a batch row each, joining and leaving, one step per bar
-    numpy_step  NumpyStep: the in-place NumPy streaming step MarketStream takes on NumPy
+    numpy_step  NumpyStep: MarketStream's in-place NumPy step where the compiled library is not built
     stream      predict (batch over features), StreamPredictor (one instrument, the first streaming path)
     synthetic   synthetic_bars (random walk, or a planted volume-regime component)
 """

@@ -8,18 +8,24 @@ batch path uses). An instrument's first bar has no features: it returns NaN and 
 alone, as :meth:`MarketModel.predict` returns NaN for row 0. Instruments join (:meth:`add`) and
 leave (:meth:`remove`) between updates; the others' states are untouched.
 
-The step (``fast=True``, the default) takes the fastest exact path each backend has. On NumPy,
-and on PyTorch for float32 CPU tensors (through zero-copy NumPy views of them, as the torch
-backend's own native paths read its tensors), it is one call of the compiled library per bar for
-every updating row together (:class:`portable_ssm.backends.numpy.rows.RowsStep`: the whole-model
-decode of ``backends/cpu/decode_model.h`` with each weight read once per bar for all rows, each
-row's state updated in place; the model checked once and the states once per join or leave).
-Where NumPy's kernels are not built: on NumPy :class:`~portable_ssm.market.numpy_step.NumpyStep`
-(weights prepared once, the state updated in place); on PyTorch each row through the backend's
-compiled whole-model decode (``decode_model`` of ``portable_ssm.backends.torch``, batch 1), its
-state row written back in place. Otherwise, and with ``fast=False``, it is
-:func:`portable_ssm.step`, the reference; tests hold every path to the batch forward within
-float32 rounding.
+The step (``fast=True``, the default) takes the fastest exact path each backend has:
+
+- NumPy, and PyTorch's float32 CPU tensors (through zero-copy NumPy views of them, as the torch
+  backend's own native paths read its tensors), with a float32 head: one call of the compiled
+  library per bar for every updating row together
+  (:class:`portable_ssm.backends.numpy.rows.RowsStep`: the whole-model decode of
+  ``backends/cpu/decode_model.h`` with each weight read once per bar for all rows, each row's
+  state updated in place; the model planned and checked once at construction, the states once per
+  join or leave);
+- NumPy where the compiled library is off or not built:
+  :class:`~portable_ssm.market.numpy_step.NumpyStep` (weights prepared once, the state updated in
+  place);
+- PyTorch where that step cannot read the tensors (bfloat16, a GPU, no compiled library): each row
+  through the backend's compiled whole-model decode (``decode_model`` of
+  ``portable_ssm.backends.torch``, batch 1), its state row written back in place.
+
+Otherwise, and with ``fast=False``, it is :func:`portable_ssm.step`, the reference; tests hold
+every path to the batch forward within float32 rounding.
 """
 
 from __future__ import annotations
@@ -86,11 +92,12 @@ class MarketStream:
         self._previous = np.zeros((2, 0))  # [2, N]: each row's last log close and log1p volume
         self._seen = np.zeros(0, bool)  # [N]: whether the row has had a bar
         self.state: Mamba2State | None = None  # batch N, rows in the order of ``instruments``
-        self._native = self._native_decode() if fast else None
-        self._numpy_plan = self._numpy_decode_plan() if fast else None
-        use_numpy = fast and self._backend == "numpy" and NumpyStep.supports({**params, **head}, config)
-        self._numpy = NumpyStep(params, config) if use_numpy else None
+        # The fast paths of the module docstring, each built only where the one before it is not.
         self._rows_step = self._prepared_rows_step() if fast else None
+        fallback = fast and self._rows_step is None
+        use_numpy = fallback and self._backend == "numpy" and NumpyStep.supports({**params, **head}, config)
+        self._numpy = NumpyStep(params, config) if use_numpy else None
+        self._native = self._native_decode() if fallback else None
         self._bound: Mamba2State | None = None  # the state self._rows_step holds the addresses of
         if len(instruments):
             self._join(list(instruments))
@@ -136,8 +143,9 @@ class MarketStream:
 
     def _prepared_rows_step(self) -> Any:
         """:class:`~portable_ssm.backends.numpy.rows.RowsStep` of the model (on NumPy, or on views of
-        float32 CPU torch tensors), and the head's input map as NumPy arrays; None where the kernels
-        are off or not built or the model is a variant that step does not compute."""
+        float32 CPU torch tensors; planned by :func:`~portable_ssm.backends.numpy.decode.plan` once,
+        here), and the head's input map as NumPy arrays; None where the kernels are off or not built,
+        the head is not float32 or the model is a variant that step does not compute."""
         from portable_ssm.backends.numpy import decode, kernels, rows
 
         if kernels.library() is None:
@@ -146,7 +154,7 @@ class MarketStream:
         names = list(params)
         host = self._host([params[k] for k in names] + [self.head[k] for k in HEAD_NAMES])
         if host is None or any(getattr(a, "dtype", None) != np.float32 for a in host[len(names):]):
-            return None  # the head float32; plan() checks the backbone's arrays
+            return None  # another head dtype: the reference judges it, as the batch forward does
         try:
             plan = decode.plan(dict(zip(names, host)), config)
         except ValueError:
@@ -155,21 +163,6 @@ class MarketStream:
         self._inp_t, self._inp_b = np.ascontiguousarray(inp_w.T), inp_b  # [F, d_model], [d_model]
         self._head_bias = head_b[0]
         return rows.RowsStep(plan)
-
-    def _numpy_decode_plan(self) -> Any:
-        """The model as NumPy's compiled whole-model step reads it
-        (:func:`portable_ssm.backends.numpy.decode.plan`), or None: another backend, the kernels off
-        or not built, or a variant that step does not compute."""
-        if self._backend != "numpy":
-            return None
-        from portable_ssm.backends.numpy import decode, kernels
-
-        if kernels.library() is None:
-            return None
-        try:
-            return decode.plan(*self._head_as_vocabulary())
-        except ValueError:
-            return None
 
     def add(self, instrument_id: int) -> None:
         """A new instrument joins with a fresh state (its first bar gives no prediction)."""
@@ -263,8 +256,6 @@ class MarketStream:
         everyone = rows is self._all_rows or rows.size == len(self._ids) and (rows == np.arange(rows.size)).all()
         if self._rows_step is not None:
             return self._rows_together(None if everyone else rows, x)
-        if self._numpy_plan is not None:
-            return self._numpy_native_rows(rows, x)
         if self._numpy is not None:
             return self._numpy_step(rows, x, everyone)
         if self._native is not None:
@@ -314,17 +305,6 @@ class MarketStream:
                 whole[r:r + 1] = part
             out[j] = float(logits[0, 0] + self.head["head.bias"][0])
         return out
-
-    def _numpy_native_rows(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """:meth:`_step` through NumPy's compiled whole-model step, row by row, each row's state
-        updated in place (:func:`portable_ssm.backends.numpy.decode.decode_rows_in_place`)."""
-        from portable_ssm.backends.numpy import decode
-
-        if not all(a.flags.c_contiguous for a in (*self.state.conv, *self.state.ssm)):
-            self.state = Mamba2State(*(tuple(map(np.ascontiguousarray, part)) for part in self.state))
-        u = np.ascontiguousarray(_linear(x, self.head["inp.weight"], self.head["inp.bias"]), np.float32)  # [k, d]
-        logits = decode.decode_rows_in_place(u, list(self.state.conv), list(self.state.ssm), rows, self._numpy_plan)
-        return (logits[:, 0] + self.head["head.bias"][0]).astype(np.float64)
 
     def _numpy_step(self, rows: np.ndarray, x: np.ndarray, everyone: bool) -> np.ndarray:
         """:meth:`_step` through :class:`NumpyStep`, the state updated in place (its rows copied out

@@ -74,11 +74,10 @@ def test_streaming_many_instruments_joining_and_leaving_equals_the_batch_forward
               4: synthetic_bars("random-walk", 30, seed=5)}
     joins, leaves = {3: 0, 9: 0, 4: 10}, {9: 25}  # 4 joins at bar 10; 9 leaves after bar 24
     stream = model.stream(instruments=[], fast=fast)
-    assert (stream._numpy is not None) == (fast and xp.name == "numpy")
     compiled = fast and numpy_kernels.library() is not None  # NumPy's whole-model step
-    assert (stream._numpy_plan is not None) == (compiled and xp.name == "numpy")
     on_host = xp.name == "numpy" or xp.name == "torch" and str(xp.device) == "cpu"  # torch: through host views
     assert (stream._rows_step is not None) == (compiled and on_host)  # every row in one call per bar
+    assert (stream._numpy is not None) == (fast and not compiled and xp.name == "numpy")  # only without it
     _stream_and_compare(model, stream, series, joins, leaves, skipping=3)
     assert stream.instruments == (3, 4)
 
@@ -159,6 +158,21 @@ def test_without_numpy_kernels_a_torch_instrument_streams_through_the_whole_mode
     if any(r is not None for r in taken):  # the kernel built here: its result is what came back
         assert all(r is not None for r in taken)
     np.testing.assert_allclose(got[1:], model.predict(bars)[1:], rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast path", "portable_ssm.step"])
+def test_a_head_of_mixed_float_dtypes_is_refused_by_the_stream_as_by_the_batch_forward(fast):
+    model = _model()
+    head = {**model.head, "inp.bias": model.head["inp.bias"].astype(np.float64)}
+    mixed = MarketModel(config=CONFIG, params=model.params, head=head, normaliser=model.normaliser)
+    bars = synthetic_bars("planted", 3, seed=0)
+    with pytest.raises(TypeError, match="mixed float dtypes"):
+        mixed.predict(bars)
+    stream = mixed.stream([1], fast=fast)
+    fields = [getattr(bars, f)[:1] for f in ("open", "high", "low", "close", "volume")]
+    assert np.isnan(stream.update(np.array([1]), *fields)[0])  # the first bar steps nothing
+    with pytest.raises(TypeError, match="mixed float dtypes"):
+        stream.update(np.array([1]), *(f * 1.01 for f in fields))
 
 
 BAD_UPDATES = [

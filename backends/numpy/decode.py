@@ -8,7 +8,7 @@ ctypes calls a layer.
   ValueError naming the first array that does not fit;
 - :func:`decode_model`: one step on a plan, ``(logits [1, rows], new conv states, new ssm states)``;
 - :func:`decode_rows_in_place`: that step for rows of a batch of states one after another, each
-  updated in place (a market stream's per-bar update);
+  updated in place (the row-by-row twin :class:`.rows.RowsStep` is tested against);
 - :func:`decode_model_hook`: the backend's ``decode_model`` fast op (``portable_ssm.lm.decode``):
   the step for the variant the kernel computes, None for any other (the core's array-API step
   runs, the reference it is tested against) or where the kernels are off.
@@ -233,8 +233,8 @@ def decode_rows_in_place(x: np.ndarray, conv_states: list[np.ndarray], ssm_state
     """:func:`decode_model` for ``k`` rows one after another, each with its own state updated in
     place: ``x [k, d_model]`` and row ``rows[j]`` of every layer's ``conv_states[i] [N, conv_dim,
     d_conv]`` and ``ssm_states[i] [N, nheads, headdim, d_state]`` (contiguous float32; ``rows``
-    integers in ``[0, N)``) -> ``logits [k, rows of the head]``, no state copied (a stream's
-    per-bar update). None where the kernels are off or not built. ValueError naming what does not fit."""
+    integers in ``[0, N)``) -> ``logits [k, rows of the head]``, no state copied. None where the
+    kernels are off or not built. ValueError naming what does not fit."""
     lib = kernels.library()
     if lib is None:
         return None
