@@ -144,9 +144,13 @@ class HybridLM:
         return tokens, pad
 
     def prefill(self, input_ids: Array, *, attention_mask: Array | None = None, state: HybridState | None = None,
-                max_len: int | None = None) -> tuple[Array, HybridState]:
+                max_len: int | None = None, logits_to_keep: int = 0) -> tuple[Array, HybridState]:
         """``input_ids [b, l]`` through the stack: ``(logits [b, l, V], state)``. Without ``state``
-        a fresh one of ``max_len`` (default l) slots; with it, these tokens continue it."""
+        a fresh one of ``max_len`` (default l) slots; with it, these tokens continue it.
+        ``logits_to_keep`` k > 0: the head runs on the last k positions only, ``logits [b, min(k, l),
+        V]`` (transformers' argument; a long prompt's head over every position costs more than
+        its layers when the vocabulary is large)."""
+        check_int("logits_to_keep", logits_to_keep, minimum=0)
         tokens, pad = self._tokens(input_ids, attention_mask)
         b, l = input_ids.shape
         if state is None:
@@ -157,6 +161,8 @@ class HybridLM:
         check_room(state, l, xp=self._xp)
         x = embed_tokens(input_ids, self.params, self.config, xp=self._xp)
         hidden, state = run_layers(x, self.params, self.config, state, tokens, pad, xp=self._xp)
+        if logits_to_keep:
+            hidden = hidden[:, -min(logits_to_keep, l):, :]  # [b, k, d_model]
         return head(hidden, self.params, self.config, xp=self._xp), state
 
     def logits(self, input_ids: Array, *, attention_mask: Array | None = None) -> Array:
@@ -239,7 +245,7 @@ class HybridLM:
         ``(last logits [b, V], state)``."""
         if state is None:
             state = self.empty_state(ids.shape[0], ids.shape[1] + o.new)
-        logits, state = self.prefill(ids, attention_mask=mask, state=state)
+        logits, state = self.prefill(ids, attention_mask=mask, state=state, logits_to_keep=1)
         return logits[:, -1, :], state
 
     def _decode(self, ids: Array, mask: Array | None, o: Options, last: Array,

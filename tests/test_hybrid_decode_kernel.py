@@ -212,3 +212,55 @@ def test_a_nan_in_a_slot_the_state_does_not_hold_never_reaches_the_logits(fused)
         got, _ = lm.step(np.array([9]), poisoned)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got, want)
+
+
+def _attention_case(seed: int, b: int, h: int, kv: int, l: int, m: int, hd: int = 8):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, h, l, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((b, kv, m, hd)).astype(np.float32) for _ in range(2))
+    start = rng.integers(0, m - l + 1, size=b)  # each row's first query slot
+    slot = np.arange(m)
+    query = start[:, None] + np.arange(l)[None, :]  # [b, l]
+    valid = slot[None, :] < (start + l)[:, None]
+    valid[:, 1] = False  # a hole: a slot no query sees
+    k[:, :, 1], v[:, :, 1] = np.nan, np.inf  # whatever it holds weighs nothing
+    return q, k, v, (slot[None, None, :] <= query[:, :, None]) & valid[:, None, :]
+
+
+@pytest.mark.parametrize("b, h, kv, l, m", [(1, 6, 2, 200, 200), (2, 4, 1, 130, 300), (1, 3, 3, 64, 90)])
+def test_blocked_attention_equals_the_reference(b, h, kv, l, m, monkeypatch):
+    from portable_ssm.backends.numpy import attention as blocked
+    from portable_ssm.blocks.attention import attend
+
+    monkeypatch.setattr(blocked, "SCORE_BYTES", 4096)  # many tiles, a partial last one
+    q, k, v, visible = _attention_case(0, b, h, kv, l, m)
+    xp = numpy_backend.namespace()
+    got = blocked.attend(q, k, v, visible, 0.3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delitem(numpy_backend.FAST_OPS, "attend")
+        want = attend(q, k, v, visible, 0.3, xp=xp)
+    assert got is not None and np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_blocked_attention_leaves_short_and_padded_queries_to_the_reference():
+    from portable_ssm.backends.numpy import attention as blocked
+
+    q, k, v, visible = _attention_case(1, 1, 2, 2, 100, 120)
+    assert blocked.attend(q[:, :, :10], k, v, visible[:, :10], 1.0) is None  # a decode step's few queries
+    visible[0, 3] = False  # a query that sees no slot
+    assert blocked.attend(q, k, v, visible, 1.0) is None
+
+
+def test_prefill_keeps_only_the_last_logits_asked_for():
+    config = CONFIGS["granite"]
+    lm = HybridLM(_params(config), config)
+    ids = np.array([[3, 17, 5, 60, 2]])
+    full, state = lm.prefill(ids)
+    last, last_state = lm.prefill(ids, logits_to_keep=2)
+    np.testing.assert_array_equal(last, full[:, -2:])
+    assert lm.prefill(ids, logits_to_keep=9)[0].shape == full.shape
+    np.testing.assert_array_equal(last_state.ssm[0], state.ssm[0])
+    for bad, error in ((-1, ValueError), (1.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="logits_to_keep"):
+            lm.prefill(ids, logits_to_keep=bad)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .._array import Array, Namespace, compute_dtype, device, silu
+from ..backends import fast_op
 from ..conv import causal_conv1d
 from ..mixer import _linear
 from ..padding import padded_conv
@@ -239,6 +240,10 @@ def attend(q: Array, k: Array, v: Array, visible: Array, scale: float, *, xp: Na
     [b, kv, m, hd]``, ``visible [b, l, m]`` -> ``[b, h, l, hd]`` in q's dtype. A query with no
     visible slot (left padding) spreads evenly, as transformers' additive mask does: finite, never NaN
     (nor is a NaN in a slot no query sees, e.g. one a later step of another branch wrote, read)."""
+    native = fast_op(xp, "attend")
+    fused = None if native is None else native(q, k, v, visible, scale)
+    if fused is not None:  # blocked over tiles of queries (a prefill's); this function is its reference
+        return fused
     b, h, l, hd = q.shape
     kv = k.shape[1]
     cdtype = compute_dtype(xp, q.dtype)
