@@ -11,10 +11,14 @@ One run builds identical random weights for portable_ssm and, when installed, tr
   against transformers' cached ``generate``);
 - ``scaling``: the 130m-layer rows alone, for the time-vs-length table and plot;
 - ``quality``: each decode row's logits error and greedy agreement against float32 weights on a
-  small LM trained for it (:mod:`portable_ssm.bench.quality`; needs torch).
+  small LM trained for it (:mod:`portable_ssm.bench.quality`; needs torch);
+- ``hybrid``: granite-4.0-h-350m- and Falcon-H1-0.5B-shaped random models (built by transformers)
+  through portable_ssm's ``HybridLM`` on numpy beside llama.cpp on the same weights: batch-1 decode
+  after a short and a long prompt at float32, bfloat16 and int8 weights, and a float32 prefill
+  (:mod:`portable_ssm.bench.hybrid`).
 
-With llama-cpp-python installed and llama.cpp's converter given (``--llama-convert``), the prefill
-and batch-1 decode parts also time llama.cpp on the same weights (:mod:`portable_ssm.bench.llama`),
+With llama-cpp-python installed and llama.cpp's converter given (``--llama-convert``), the prefill,
+batch-1 decode and hybrid parts also time llama.cpp on the same weights (:mod:`portable_ssm.bench.llama`),
 and the quality part decodes the trained LM's conversions.
 
 It reports medians, ratios to transformers measured in the same run, GFLOP/s against this
@@ -40,6 +44,7 @@ from typing import Any
 from ..cli_args import Parser, count, nonempty_path
 from ..config import Mamba2Config
 from ..host import retain_unless_disabled
+from . import hybrid
 from .calls import (
     DECODE_STEPS,
     PROMPT,
@@ -58,9 +63,9 @@ from .calls import (
 from .llama import CONVERT_ENV, ROWS, LlamaCpp, greedy_run, prefill_calls, thread_count, unavailable
 from .peak import case_inputs, fresh_peak_mib
 from .quality import TRAIN_STEPS, QualityRow, quality_notes, quality_rows, train_pattern_lm
-from .report import Case, Row, proc_kib, write_results
+from .report import Case, HybridRow, Row, proc_kib, write_results
 
-PARTS = ("forward", "train", "prefill", "decode", "scaling", "quality")
+PARTS = ("forward", "train", "prefill", "decode", "scaling", "quality", "hybrid")
 BACKENDS = ("numpy", "numpy-ref", "torch", "torch-compile", "jax", "transformers", *QUANTIZED_DECODE)
 SEED = Mamba2Config(d_model=256, n_layer=2, expand=4, d_state=16, headdim=64)
 LAYER_130M = Mamba2Config(d_model=768, n_layer=1, d_state=128, headdim=64, expand=2)
@@ -192,28 +197,28 @@ ROUND_STEPS = 4
 
 
 def interleaved_decode(runs: dict[Any, DecodeRun], read: Callable[[], Any], clock: Clock,
-                       round_steps: int = ROUND_STEPS,
-                       settle_s: float = SETTLE_S) -> tuple[dict[Any, tuple[list[float], list[Any]]], list[float]]:
+                       round_steps: int = ROUND_STEPS, settle_s: float = SETTLE_S,
+                       steps: int = DECODE_STEPS) -> tuple[dict[Any, tuple[list[float], list[Any]]], list[float]]:
     """Decode rows side by side: each run's prompt pass and first token in turn (untimed), then
     rounds in which every run takes ``round_steps`` timed steps in turn and ``read`` (the streaming
     read) is timed once, each after ``settle_s`` idle seconds (:data:`SETTLE_S`), until each run has
-    ``DECODE_STEPS`` steps. So the rows' step times, and the bandwidth they are compared with, share
+    ``steps`` steps. So the rows' step times, and the bandwidth they are compared with, share
     the machine's load as the forward rows' do (a compiling first step lands in the first round).
     Returns ``({run: (step seconds, tokens)}, read seconds)``."""
-    steps = {key: ([], timed_steps(run, 1, clock)[1]) for key, run in runs.items()}
+    out = {key: ([], timed_steps(run, 1, clock)[1]) for key, run in runs.items()}
     read()  # warm-up
     reads = []
-    for done in range(0, DECODE_STEPS, round_steps):
+    for done in range(0, steps, round_steps):
         for key, run in runs.items():
             time.sleep(settle_s)
-            times, tokens = timed_steps(run, min(round_steps, DECODE_STEPS - done), clock)
-            steps[key][0].extend(times)
-            steps[key][1].extend(tokens)
+            times, tokens = timed_steps(run, min(round_steps, steps - done), clock)
+            out[key][0].extend(times)
+            out[key][1].extend(tokens)
         time.sleep(settle_s)
         start = clock()
         read()
         reads.append(clock() - start)
-    return steps, reads
+    return out, reads
 
 
 def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock = time.perf_counter,
@@ -363,8 +368,8 @@ def _plain_progress(items: list[Any]) -> Any:
 def _llama(args: argparse.Namespace, parts: tuple[str, ...], notes: list[str],
            stack: contextlib.ExitStack) -> LlamaCpp | None:
     """The run's llama.cpp rows (converted files in a temporary folder that ``stack`` removes), or
-    None with a note saying why not, when the prefill, decode or quality part runs."""
-    if not {"prefill", "decode", "quality"} & set(parts):
+    None with a note saying why not, when the prefill, decode, quality or hybrid part runs."""
+    if not {"prefill", "decode", "quality", "hybrid"} & set(parts):
         return None
     why = unavailable(args.llama_convert, QUICK[2] if args.quick else LM_130M)
     if why is not None:
@@ -409,14 +414,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true",
                         help="add this run as a section at the end of the folder's RESULTS.md (no plot), "
                              "e.g. a --threads 2 run after the main one")
+    parser.add_argument("--hybrid-shapes", default=",".join(hybrid.FAMILIES),
+                        help=f"comma list of the hybrid part's shapes: {', '.join(hybrid.FAMILIES)}")
+    parser.add_argument("--hybrid-steps", type=count(1), default=DECODE_STEPS,
+                        help="timed greedy steps of each hybrid decode row")
     parser.add_argument("--llama-convert", default=os.environ.get(CONVERT_ENV), metavar="CONVERT_HF_TO_GGUF",
                         help="llama.cpp's convert_hf_to_gguf.py: with llama-cpp-python installed, the prefill "
                              f"and decode parts get llama.cpp rows (default: ${CONVERT_ENV})")
     args = parser.parse_args(argv)
     parts = tuple(p.strip() for p in args.only.split(",") if p.strip())
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    families = [f.strip() for f in args.hybrid_shapes.split(",") if f.strip()]
     for bad in [p for p in parts if p not in PARTS] + [b for b in wanted if b not in BACKENDS]:
         parser.error(f"unknown part or backend {bad!r}: parts {PARTS}, backends {BACKENDS}")
+    for bad in [f for f in families if f not in hybrid.FAMILIES]:
+        parser.error(f"--hybrid-shapes: unknown shape {bad!r}: {', '.join(hybrid.FAMILIES)}")
     out = output_dir(args.out, quick=args.quick, overwrite=args.overwrite)
     notes = [f"command: portable-ssm bench {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()]
     notes += _set_threads(args.threads)
@@ -455,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
     rows: list[Row] = []
     graded: list[QualityRow] = []
+    hybrid_rows: list[HybridRow] = []
     fresh = not args.quick if args.fresh_peak is None else args.fresh_peak
     if fresh:
         notes.append("peak MiB from fresh processes (python -m portable_ssm.bench.peak, one per row and call)")
@@ -467,8 +480,13 @@ def main(argv: list[str] | None = None) -> int:
                               bandwidth_gib=1 / 16 if args.quick else 1.0, settle_s=0.0 if args.quick else SETTLE_S)
         if "quality" in parts:
             graded = quality(backends, llama, QUICK_TRAIN_STEPS if args.quick else TRAIN_STEPS, notes)
+        if "hybrid" in parts:
+            hybrid_rows = hybrid.part(families, llama, args.llama_convert, backends, quick=args.quick,
+                                      max_len=args.max_len, steps=args.hybrid_steps, repeats=args.repeats, clock=clock,
+                                      sample_s=0.05 if args.quick else 1.0,
+                                      settle_s=0.0 if args.quick else SETTLE_S, notes=notes)
     for row in _progress([r for r in rows if r.backend in BACKENDS]) if fresh else []:  # not llama.cpp's
         row.fresh = fresh_peak_mib(row.case, row.backend)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    print(f"wrote {write_results(rows, out, notes, append=args.append, quality=graded)}")
+    print(f"wrote {write_results(rows, out, notes, append=args.append, quality=graded, hybrid=hybrid_rows)}")
     return 0
