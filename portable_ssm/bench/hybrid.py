@@ -13,7 +13,7 @@ timed. At batch 1 it times, per context:
   side in rounds (:func:`~portable_ssm.bench.runner.interleaved_decode`);
 - prefill: ``HybridLM.prefill`` of the prompt at float32 weights (it returns every position's
   logits, as it does for a user) beside llama.cpp f32's ``eval`` to the last logits, side by side in
-  rounds (:func:`~portable_ssm.bench.runner.measure`).
+  rounds (:func:`~portable_ssm.bench.timing.measure`).
 
 Frameworks are imported inside functions only.
 """
@@ -41,6 +41,7 @@ from .hybrid_models import (
 )
 from .llama import LlamaCpp, greedy_run, hybrid_unavailable, last_logits
 from .report import HybridRow
+from .timing import interleaved_decode, measure
 
 #: portable_ssm's weight kinds and the llama.cpp row each is held against (the same bytes per weight).
 PRECISIONS = (("float32", "llama.cpp-f32"), ("bfloat16", "llama.cpp-f16"), ("int8", "llama.cpp-q8_0"))
@@ -87,8 +88,6 @@ def _decode_rows(shape: HybridShape, models: dict[str, Any], llama: LlamaCpp | N
     llama.cpp's rows side by side."""
     import numpy as np
 
-    from .runner import interleaved_decode  # the runner imports this module
-
     ids = np.random.default_rng(context).integers(0, PROMPT_IDS, (1, context))
     loading = llama.load(files, n_ctx=context + steps + 1) if llama and files else contextlib.nullcontext({})
     with loading as loaded:
@@ -109,8 +108,6 @@ def _prefill_row(shape: HybridShape, model: Any, llama: LlamaCpp | None, files: 
                  note: str, repeats: int, clock: Clock, sample_s: float, settle_s: float) -> HybridRow:
     """float32 prefill of ``length`` random ids, portable_ssm's beside llama.cpp f32's."""
     import numpy as np
-
-    from .runner import measure
 
     ids = np.random.default_rng(length).integers(0, PROMPT_IDS, (1, length))
     row = PRECISIONS[0][1]
