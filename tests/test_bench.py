@@ -1,7 +1,8 @@
 """The benchmark runner (portable_ssm.bench): a quick run writes its table and plot; transformers is
 given the same weights; the parts select their shapes; results go to ./bench-out unless --out says
 otherwise, and a --quick run never replaces a full run's results; llama.cpp rows run where
-llama-cpp-python and llama.cpp's converter are there and are skipped with a note otherwise.
+llama-cpp-python and llama.cpp's converter are there and are skipped with a note otherwise; the
+hybrid part times HybridLM's decode and prefill at each precision beside them.
 Timings are never asserted."""
 
 from __future__ import annotations

@@ -90,12 +90,15 @@ def _falcon(name: str, *, layers: int, d: int, heads: int, kv_heads: int, head_d
         "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738]})
 
 
-#: granite-4.0-h-350m's shape (recalled): d 768, 12 heads / 4 KV heads of 64, Mamba 48 heads x 32
-#: (expand 2: 1536), state 128, one group, conv 4, shared MLP 2048, vocabulary 100352.
+#: granite-4.0-h-350m's shape, recalled from memory of its config.json (not read from it): d 768,
+#: 12 heads / 4 KV heads of 64, Mamba 48 heads x 32 (expand 2: 1536), state 128, one group, conv 4,
+#: shared MLP 2048, vocabulary 100352.
 GRANITE_350M = _granite("granite-4.0-h-350m", layers=32, attention=(9, 17, 25, 31), d=768, heads=12, kv_heads=4,
                         mamba_heads=48, d_state=128, d_ff=2048)
-#: Falcon-H1-0.5B's shape (recalled): d 1024, 36 layers, 8 heads / 2 KV heads of 64, Mamba width
-#: 1536 (24 heads x 64), state 128, one group, MLP 2048, vocabulary 32784, RoPE theta 1e11.
+#: Falcon-H1-0.5B's shape, recalled from memory of tiiuae/Falcon-H1-0.5B's config.json (not read
+#: from it; check before quoting): d 1024, 36 layers, 8 heads / 2 KV heads of 64, Mamba width 1536
+#: (24 heads x 64), state 128, one group, no Mamba norm, MLP 2048, vocabulary 32784, untied head,
+#: RoPE theta 1e11, and its muP multipliers.
 FALCON_H1_05B = _falcon("falcon-h1-0.5b", layers=36, d=1024, heads=8, kv_heads=2, head_dim=64, mamba_heads=24,
                         mamba_head=64, d_state=128, d_ff=2048)
 SHAPES = (GRANITE_350M, FALCON_H1_05B)
