@@ -1,7 +1,8 @@
 """The benchmark runner (portable_ssm.bench): a quick run writes its table and plot; transformers is
 given the same weights; the parts select their shapes; results go to ./bench-out unless --out says
 otherwise, and a --quick run never replaces a full run's results; llama.cpp rows run where
-llama-cpp-python and llama.cpp's converter are there and are skipped with a note otherwise.
+llama-cpp-python and llama.cpp's converter are there and are skipped with a note otherwise; the
+hybrid part times HybridLM's decode and prefill at each precision beside them.
 Timings are never asserted."""
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from pathlib import Path
 import pytest
 
 import portable_ssm as ps
-from portable_ssm.bench import llama
+from portable_ssm.bench import hybrid, hybrid_models, llama
 from portable_ssm.bench import runner as bench
 from portable_ssm.bench.quality import NEW_TOKENS, QualityRow, compare
-from portable_ssm.bench.report import Case, Row, float32_ceiling, write_results
+from portable_ssm.bench.report import Case, HybridRow, Row, float32_ceiling, write_results
 
 #: llama.cpp's convert_hf_to_gguf.py, for the test that runs real llama.cpp rows (read before the
 #: fixture below hides it from the other tests).
@@ -102,6 +103,15 @@ def test_decode_rows_take_their_steps_side_by_side_in_rounds(monkeypatch):
     assert calls == ["a", "b", "read"] + (["idle"] + ["a"] * 4 + ["idle"] + ["b"] * 4 + ["idle", "read"]) * rounds
     assert steps["a"] == ([1] * DECODE_STEPS, list(range(DECODE_STEPS + 1))) and len(reads) == rounds
     assert reads == [1] * rounds
+
+
+def test_decode_rounds_stop_at_the_steps_asked_for(monkeypatch):
+    from portable_ssm.bench.calls import DecodeRun
+
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+    runs = {"a": DecodeRun(iter(range(100)), __import__("contextlib").nullcontext, None)}
+    steps, reads = bench.interleaved_decode(runs, lambda: None, clock=lambda: 0.0, round_steps=4, steps=6)
+    assert steps["a"] == ([0.0] * 6, list(range(7))) and len(reads) == 2  # rounds of 4 and 2 steps
 
 
 def test_a_sample_of_quick_calls_averages_back_to_back_calls():
@@ -446,3 +456,116 @@ def test_a_run_with_fresh_peak_reports_each_rows_process_memory(tmp_path):
     *_, call, process, err = (cell.strip() for cell in row.strip("|").split("|"))
     assert float(process) > 20 and float(call) >= 0 and float(err) < 1e-5
     assert "peak MiB from fresh processes" in text
+
+
+def test_quick_hybrid_part_times_every_precision_and_says_why_llama_cpp_rows_are_missing(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    assert bench.main(["--quick", "--only", "hybrid", "--backends", "numpy", "--repeats", "2", "--hybrid-steps", "2",
+                       "--out", str(out)]) == 0
+    text = (out / "RESULTS.md").read_text()
+    assert "## Hybrid models (b=1" in text and "## Decode" not in text and "## Prefill" not in text
+    reason = "llama.cpp rows skipped: no converter given"
+    for shape in hybrid_models.QUICK_SHAPES:
+        for context in hybrid.QUICK_CONTEXTS:
+            for precision, llama_row in hybrid.PRECISIONS:
+                cells = _cells(text, f"| {shape.name} | decode | {context} | {precision} |")
+                assert float(cells[4]) > 0 and cells[5:8] == [llama_row, "-", "-"], cells
+                assert cells[8].startswith(reason), cells
+        cells = _cells(text, f"| {shape.name} | prefill | {hybrid.QUICK_PREFILL} | float32 |")
+        assert float(cells[4]) > 0 and cells[6] == "-" and cells[8].startswith(reason), cells
+    assert "- hybrid: tiny-granite-h, tiny-falcon-h1 built by transformers" in text
+
+
+def test_hybrid_shapes_and_max_len_choose_the_rows(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    assert bench.main(["--quick", "--only", "hybrid", "--hybrid-shapes", "falcon", "--max-len", "16",
+                       "--backends", "numpy", "--repeats", "2", "--hybrid-steps", "2", "--out", str(out)]) == 0
+    rows = [line for line in (out / "RESULTS.md").read_text().splitlines() if line.startswith("| tiny-")]
+    assert [_cells(line, "|")[:4] for line in rows] == [["tiny-falcon-h1", "decode", "16", p]
+                                                        for p, _ in hybrid.PRECISIONS]
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "hybrid", "--hybrid-shapes", "mamba"])
+
+
+def test_hybrid_part_needs_numpy_among_the_backends():
+    notes = []
+    assert hybrid.part(["granite"], None, None, ["torch"], quick=True, max_len=None, steps=2, repeats=2,
+                       clock=lambda: 0.0, sample_s=0.0, settle_s=0.0, notes=notes) == []
+    assert notes == ["hybrid part skipped: it runs portable_ssm on numpy, which is not among the run's backends"]
+
+
+def test_hybrid_checkpoints_spell_layer_types_as_the_hub_does(tmp_path):
+    """llama.cpp's converter counts only layers named "attention" (transformers 5 saves
+    "full_attention"); portable_ssm reads the Hub's names into the same stack."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import json
+
+    shape = hybrid_models.QUICK_SHAPES[0]
+    hybrid_models.write_folder(shape, tmp_path / "granite")
+    kinds = json.loads((tmp_path / "granite" / "config.json").read_text())["layer_types"]
+    assert kinds == ["mamba", "attention", "mamba", "attention"]
+    model = ps.load_pretrained(tmp_path / "granite", backend="numpy")
+    assert model.config.indices("attention") == (1, 3) and model.vocab_size == shape.vocab_size
+
+
+def test_hybrid_llama_rows_say_which_rule_a_shape_breaks(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))  # as if installed
+    granite, falcon = hybrid_models.SHAPES
+    assert llama.hybrid_unavailable(None, granite) == llama.unavailable(None)
+    converter = tmp_path / "convert_hf_to_gguf.py"
+    converter.write_text("")
+    vocab = tmp_path.resolve() / "models" / hybrid_models.VOCAB_FILE
+    assert llama.hybrid_unavailable(str(converter), falcon) == (
+        f"llama.cpp rows of falcon-h1-0.5b skipped: {vocab} (the vocabulary its tokenizer is rebuilt from) is not "
+        "a file")
+    vocab.parent.mkdir()
+    vocab.write_bytes(b"")
+    assert llama.hybrid_unavailable(str(converter), granite) is None
+    assert llama.hybrid_unavailable(str(converter), falcon) is None  # 32784: the real vocabulary fits
+    def with_vocab(shape, rows):
+        return dataclasses.replace(shape, config={**shape.config, "vocab_size": rows})
+
+    assert llama.hybrid_unavailable(str(converter), with_vocab(falcon, 32785)) is None  # no multiple-of-16 rule
+    assert llama.hybrid_unavailable(str(converter), with_vocab(falcon, 32014)) == (
+        "llama.cpp rows of falcon-h1-0.5b skipped: a vocabulary of 32014 rows is below the 32015 its tokenizer fills")
+    assert llama.hybrid_unavailable(str(converter), with_vocab(granite, 100350)) == (
+        "llama.cpp rows of granite-4.0-h-350m skipped: llama.cpp's granite conversion needs a vocabulary that is a "
+        "multiple of 16, not 100350")
+    monkeypatch.setattr(llama, "importlib", types.SimpleNamespace(
+        util=types.SimpleNamespace(find_spec=lambda name: name != "tokenizers" or None)))
+    assert "built with the tokenizers package, which is not installed" in llama.hybrid_unavailable(str(converter),
+                                                                                                  granite)
+
+
+def test_hybrid_table_holds_llama_cpp_time_over_portable_ssm(tmp_path):
+    rows = [HybridRow("g", "decode", 64, "float32", 0.010, 32, "llama.cpp-f32", 0.025, "33/33 tokens equal"),
+            HybridRow("g", "prefill", 2048, "float32", 2.0, 2, "llama.cpp-f32", note="llama.cpp rows skipped: why")]
+    text = write_results([], tmp_path, [], hybrid=rows).read_text()
+    assert _cells(text, "| g | decode |") == ["g", "decode", "64", "float32", "10.00", "llama.cpp-f32", "25.00",
+                                               "2.50", "33/33 tokens equal"]
+    assert _cells(text, "| g | prefill |")[4:] == ["2000.00", "llama.cpp-f32", "-", "-", "llama.cpp rows skipped: why"]
+
+
+def test_hybrid_llama_cpp_rows_run_the_same_weights(tmp_path):
+    for module in ("llama_cpp", "transformers", "gguf", "tokenizers"):
+        pytest.importorskip(module)
+    if not LLAMA_CONVERT:
+        pytest.skip(f"set {llama.CONVERT_ENV} to llama.cpp's convert_hf_to_gguf.py to run the llama.cpp rows")
+    out = tmp_path / "out"
+    assert bench.main(["--quick", "--only", "hybrid", "--backends", "numpy", "--threads", "1", "--repeats", "2",
+                       "--hybrid-steps", "4", "--out", str(out), "--llama-convert", LLAMA_CONVERT]) == 0
+    text = (out / "RESULTS.md").read_text()
+    assert "skipped" not in text
+    for shape in hybrid_models.QUICK_SHAPES:
+        for context in hybrid.QUICK_CONTEXTS:
+            for precision, row in hybrid.PRECISIONS:
+                cells = _cells(text, f"| {shape.name} | decode | {context} | {precision} |")
+                assert cells[5] == row and float(cells[6]) > 0 and float(cells[7]) > 0, cells
+                assert precision != "float32" or cells[8] == "5/5 tokens equal", cells  # the same weights
+        cells = _cells(text, f"| {shape.name} | prefill | {hybrid.QUICK_PREFILL} | float32 |")
+        assert float(cells[6]) > 0 and float(cells[8].removeprefix("last logits rel err ")) < 1e-4, cells

@@ -6,8 +6,11 @@ and llama.cpp's converter ``convert_hf_to_gguf.py`` (in the llama-cpp-python sdi
 transformers' ``save_pretrained`` of :func:`portable_ssm.bench.calls.transformers_model`, converted
 once per run and weight type (f32, f16, q8_0) and loaded with ``Llama(...)``. Token ids go in,
 never text (the converter falls back to llama.cpp's bundled GPT-NeoX vocabulary, cut to the model's
-size, which must be a multiple of 16 and at most 50432). Conversion is never timed.
-:func:`unavailable` says why rows are skipped. llama_cpp is imported inside functions only.
+size, which must be a multiple of 16 and at most 50432). The hybrid part converts its own
+checkpoint folders (:meth:`LlamaCpp.convert`), each with a rebuilt tokenizer
+(:func:`~portable_ssm.bench.hybrid_models.write_tokenizer`). Conversion is never timed.
+:func:`unavailable` and :func:`hybrid_unavailable` say why rows are skipped. llama_cpp is imported
+inside functions only.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 from ..config import Mamba2Config
 from .calls import DECODE_STEPS, DecodeRun, transformers_model
+from .hybrid_models import TOKENIZER_ROWS, HybridShape, vocab_file
 
 #: Weight types converted, and the row each gives ("llama.cpp-f32", ...).
 OUTTYPES = ("f32", "f16", "q8_0")
@@ -51,6 +55,26 @@ def unavailable(converter: str | None, config: Mamba2Config | None = None) -> st
     vocab = None if config is None else config.padded_vocab_size
     if vocab is not None and (vocab % 16 or vocab > MAX_VOCAB):
         return f"llama.cpp rows skipped: llama.cpp needs a vocabulary, a multiple of 16 up to {MAX_VOCAB}, not {vocab}"
+    return None
+
+
+def hybrid_unavailable(converter: str | None, shape: HybridShape) -> str | None:
+    """Why the llama.cpp rows of a hybrid ``shape`` cannot run (a note for RESULTS.md), or None:
+    :func:`unavailable`'s reasons, then the rebuilt tokenizer's (:func:`~.hybrid_models.write_tokenizer`):
+    its vocabulary file beside the converter, the ``tokenizers`` package, a vocabulary holding its
+    rows, and for granite (whose conversion pads the vocabulary to a multiple of 16) such a multiple."""
+    why = unavailable(converter)
+    if why is not None:
+        return why
+    skipped, vocab = f"llama.cpp rows of {shape.name} skipped", shape.vocab_size
+    if importlib.util.find_spec("tokenizers") is None:
+        return f"{skipped}: its tokenizer is built with the tokenizers package, which is not installed"
+    if not vocab_file(str(converter)).is_file():
+        return f"{skipped}: {vocab_file(str(converter))} (the vocabulary its tokenizer is rebuilt from) is not a file"
+    if vocab < TOKENIZER_ROWS:
+        return f"{skipped}: a vocabulary of {vocab} rows is below the {TOKENIZER_ROWS} its tokenizer fills"
+    if shape.family == "granitemoehybrid" and vocab % 16:
+        return f"{skipped}: llama.cpp's granite conversion needs a vocabulary that is a multiple of 16, not {vocab}"
     return None
 
 
@@ -138,33 +162,40 @@ class LlamaCpp:
     threads: int
     workdir: Path
     _folders: dict[Mamba2Config, Path] = field(default_factory=dict, init=False, repr=False)
-    _files: dict[tuple[Mamba2Config, str], Path] = field(default_factory=dict, init=False, repr=False)
+    _files: dict[tuple[Path, str], Path] = field(default_factory=dict, init=False, repr=False)
 
     def gguf(self, config: Mamba2Config, params: dict[str, Any], outtype: str) -> Path:
-        """The GGUF file of ``params`` in ``outtype``, converted on first use (run from the converter's
-        folder: it reads ``models/`` beside it)."""
-        if (config, outtype) not in self._files:
-            if config not in self._folders:
-                self._folders[config] = self.workdir / f"hf-{len(self._folders)}"
-                transformers_model(config, params, lm=True).save_pretrained(self._folders[config])
-            folder = self._folders[config]
+        """The GGUF file of ``params`` in ``outtype``, converted on first use (:meth:`convert`)."""
+        if config not in self._folders:
+            self._folders[config] = self.workdir / f"hf-{len(self._folders)}"
+            transformers_model(config, params, lm=True).save_pretrained(self._folders[config])
+        return self.convert(self._folders[config], outtype)
+
+    def convert(self, folder: Path, outtype: str) -> Path:
+        """The GGUF file of the transformers checkpoint in ``folder`` in ``outtype``, beside it,
+        converted on first use (run from the converter's folder: it reads ``models/`` beside it)."""
+        if (folder, outtype) not in self._files:
             out = folder.with_name(f"{folder.name}-{outtype}.gguf")
             done = subprocess.run([sys.executable, str(self.converter.resolve()), str(folder.resolve()),
                                    "--outtype", outtype, "--outfile", str(out.resolve())],
                                   cwd=self.converter.resolve().parent, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{self.converter} failed ({done.returncode}) on {folder}:\n{done.stderr[-3000:]}")
-            self._files[config, outtype] = out
-        return self._files[config, outtype]
+            self._files[folder, outtype] = out
+        return self._files[folder, outtype]
+
+    def models(self, config: Mamba2Config, params: dict[str, Any], n_ctx: int) -> Any:
+        """A context giving ``{row name: llama_cpp.Llama}`` for each weight type of ``params``
+        (:meth:`load`)."""
+        return self.load({row: self.gguf(config, params, t) for row, t in zip(ROWS, OUTTYPES)}, n_ctx)
 
     @contextlib.contextmanager
-    def models(self, config: Mamba2Config, params: dict[str, Any], n_ctx: int) -> Iterator[dict[str, Any]]:
-        """``{row name: llama_cpp.Llama}`` for each weight type, with ``n_ctx`` positions and the
+    def load(self, files: dict[str, Path], n_ctx: int) -> Iterator[dict[str, Any]]:
+        """``{row name: llama_cpp.Llama}`` of GGUF ``files``, with ``n_ctx`` positions and the
         whole prompt in one logical batch (``n_batch = n_ctx``; llama.cpp's ``n_ubatch`` default of
         512), closed on exit."""
         from llama_cpp import Llama
 
-        files = {row: self.gguf(config, params, t) for row, t in zip(ROWS, OUTTYPES)}
         with contextlib.ExitStack() as stack:
             loaded = {}
             with _without_extra_buffers():

@@ -68,6 +68,29 @@ class Row:
     fresh: tuple[float, float] | None = None  # (peak MiB with one call, without it) of a fresh process
 
 
+@dataclass
+class HybridRow:
+    """One row of the hybrid part: portable_ssm's median ``seconds`` (a decode step after a prompt
+    of ``context`` tokens, or the prefill of ``context`` tokens) at ``precision`` weights beside
+    the ``llama`` row's (None where it did not run, ``note`` saying why)."""
+
+    shape: str
+    part: str  # "decode" or "prefill"
+    context: int
+    precision: str
+    seconds: float
+    runs: int
+    llama: str
+    llama_seconds: float | None = None
+    check: str = ""  # decode: greedy tokens equal to llama.cpp's; prefill: the last logits' rel err
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        """llama.cpp's time over portable_ssm's (> 1: portable_ssm is faster)."""
+        return None if self.llama_seconds is None else self.llama_seconds / self.seconds
+
+
 def projection_flops(config: Mamba2Config, batch: int, length: int) -> float:
     """FLOPs of the projections alone (in_proj and out_proj of every layer) in one forward over
     ``[batch, length]``: the matmuls no implementation can skip."""
@@ -319,11 +342,27 @@ def _quality_table(quality: list[QualityRow]) -> list[str]:
                                  f"| {q.on_pattern}/{q.total} |" for q in quality] + [""]
 
 
+def _hybrid_table(rows: list[HybridRow]) -> list[str]:
+    lines = ["## Hybrid models (b=1: portable_ssm's HybridLM on numpy beside llama.cpp, the same random weights)", "",
+             "decode: ms per greedy token after a prompt of `context` tokens (median of the steps); prefill: ms "
+             "for a prompt of `context` tokens. llama / portable: llama.cpp's time over portable_ssm's (> 1: "
+             "portable_ssm is faster). check: greedy tokens equal to llama.cpp's (random weights amplify any "
+             "rounding, so low-precision pairs part early), or the last logits' rel err between the two.", "",
+             "| shape | part | context | portable_ssm weights | portable_ssm ms | llama.cpp | llama.cpp ms "
+             "| llama / portable | check |", "|" + "---|" * 9]
+    for r in rows:
+        theirs = "-" if r.llama_seconds is None else f"{r.llama_seconds * 1e3:.2f}"
+        lines.append(f"| {r.shape} | {r.part} | {r.context} | {r.precision} | {r.seconds * 1e3:.2f} | {r.llama} "
+                     f"| {theirs} | {_fmt(r.ratio, '.2f')} | {r.check or r.note} |")
+    return lines + [""]
+
+
 def write_results(rows: list[Row], out: Path, notes: list[str], *, append: bool = False,
-                  quality: list[QualityRow] | None = None) -> Path:
+                  quality: list[QualityRow] | None = None, hybrid: list[HybridRow] | None = None) -> Path:
     """Writes ``RESULTS.md`` (and ``scaling.png`` when there are length rows and matplotlib) into ``out``; with
     ``append``, adds the run as one section at the end of the existing RESULTS.md instead (its
-    headings one level down, no plot). ``quality``: the quality part's rows, tabled after decode."""
+    headings one level down, no plot). ``quality``: the quality part's rows, tabled after decode;
+    ``hybrid``: the hybrid part's, tabled after them."""
     quality = quality or []
     out.mkdir(parents=True, exist_ok=True)
     path = out / "RESULTS.md"
@@ -344,6 +383,7 @@ def write_results(rows: list[Row], out: Path, notes: list[str], *, append: bool 
         text.append("- scaling.png not written: matplotlib is not installed (pip install matplotlib)")
     text += ["", FLOP_NOTE, ""] + _targets(rows, curves, quality) + _tables(rows)
     text += _quality_table(quality) if quality else []
+    text += _hybrid_table(hybrid) if hybrid else []
     if curves:
         text += _scaling_table(curves, plot=plot)
     if append:

@@ -11,10 +11,14 @@ One run builds identical random weights for portable_ssm and, when installed, tr
   against transformers' cached ``generate``);
 - ``scaling``: the 130m-layer rows alone, for the time-vs-length table and plot;
 - ``quality``: each decode row's logits error and greedy agreement against float32 weights on a
-  small LM trained for it (:mod:`portable_ssm.bench.quality`; needs torch).
+  small LM trained for it (:mod:`portable_ssm.bench.quality`; needs torch);
+- ``hybrid``: granite-4.0-h-350m- and Falcon-H1-0.5B-shaped random models (built by transformers)
+  through portable_ssm's ``HybridLM`` on numpy beside llama.cpp on the same weights: batch-1 decode
+  after a short and a long prompt at float32, bfloat16 and int8 weights, and a float32 prefill
+  (:mod:`portable_ssm.bench.hybrid`).
 
-With llama-cpp-python installed and llama.cpp's converter given (``--llama-convert``), the prefill
-and batch-1 decode parts also time llama.cpp on the same weights (:mod:`portable_ssm.bench.llama`),
+With llama-cpp-python installed and llama.cpp's converter given (``--llama-convert``), the prefill,
+batch-1 decode and hybrid parts also time llama.cpp on the same weights (:mod:`portable_ssm.bench.llama`),
 and the quality part decodes the trained LM's conversions.
 
 It reports medians, ratios to transformers measured in the same run, GFLOP/s against this
@@ -32,7 +36,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,12 +43,12 @@ from typing import Any
 from ..cli_args import Parser, count, nonempty_path
 from ..config import Mamba2Config
 from ..host import retain_unless_disabled
+from . import hybrid
 from .calls import (
     DECODE_STEPS,
     PROMPT,
     QUANTIZED_DECODE,
     Clock,
-    DecodeRun,
     bandwidth_call,
     decode,
     decode_run,
@@ -53,14 +56,14 @@ from .calls import (
     host,
     prefill_fn,
     sgemm_call,
-    timed_steps,
 )
 from .llama import CONVERT_ENV, ROWS, LlamaCpp, greedy_run, prefill_calls, thread_count, unavailable
 from .peak import case_inputs, fresh_peak_mib
 from .quality import TRAIN_STEPS, QualityRow, quality_notes, quality_rows, train_pattern_lm
-from .report import Case, Row, proc_kib, write_results
+from .report import Case, HybridRow, Row, write_results
+from .timing import ROUND_STEPS, SETTLE_S, interleaved_decode, measure
 
-PARTS = ("forward", "train", "prefill", "decode", "scaling", "quality")
+PARTS = ("forward", "train", "prefill", "decode", "scaling", "quality", "hybrid")
 BACKENDS = ("numpy", "numpy-ref", "torch", "torch-compile", "jax", "transformers", *QUANTIZED_DECODE)
 SEED = Mamba2Config(d_model=256, n_layer=2, expand=4, d_state=16, headdim=64)
 LAYER_130M = Mamba2Config(d_model=768, n_layer=1, d_state=128, headdim=64, expand=2)
@@ -109,69 +112,6 @@ def groups(shapes: list[Case]) -> list[list[Case]]:
     return list(out.values())
 
 
-def _timed(fn: Callable[[], Any], clock: Clock) -> tuple[float, float | None, Any]:
-    """``(seconds, peak MiB over the RSS before the call or None, output)`` of one call. The peak is
-    the process's VmHWM, reset through ``/proc/self/clear_refs`` (Linux; None elsewhere)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = proc_kib("/proc/self/status", "VmRSS")
-    except OSError:
-        base = None
-    start = clock()
-    out = fn()
-    seconds = clock() - start
-    hwm = proc_kib("/proc/self/status", "VmHWM")
-    return seconds, None if base is None or hwm is None else max(hwm - base, 0) / 1024, out
-
-
-def _timed_calls(fn: Callable[[], Any], calls: int, clock: Clock) -> tuple[float, float | None, Any]:
-    """:func:`_timed` over ``calls`` back-to-back calls: ``(mean s per call, peak MiB, last output)``."""
-    def batch() -> Any:
-        for _ in range(calls - 1):
-            fn()
-        return fn()
-
-    seconds, peak, out = _timed(batch, clock)
-    return seconds / calls, peak, out
-
-
-#: Seconds the machine idles before each sample (and each decode row's turn): a library's worker
-#: threads spin for up to about 0.2 s after its last call, and take cores from whatever runs next
-#: (measured here: a torch matmul right after a NumPy one ran at 92 against 180 GFLOP/s 0.2 s later,
-#: as OpenBLAS's two threads were still spinning), so without it a row paid for the row before it.
-SETTLE_S = 0.2
-
-
-def measure(fns: dict[Any, Callable[[], Any]], repeats: int, clock: Clock = time.perf_counter,
-            budget_s: float = 30.0, sample_s: float = 1.0,
-            settle_s: float = SETTLE_S) -> dict[Any, tuple[float, int, float, float | None, Any]]:
-    """Side by side: a warm-up and a calibration call of each function, then rounds that take one
-    sample of each in turn, so every function sees the same machine load. A sample is the mean of
-    enough back-to-back calls to last about ``sample_s`` (one for slow calls), so short and long
-    calls average over comparable stretches of time, and follows ``settle_s`` idle seconds, so it
-    does not pay for the previous function's spinning threads; each function gets ``repeats``
-    samples (fewer, at least two, past ``budget_s``). Returns, per name, ``(median s per call,
-    samples, first-call s, peak MiB or None, last output)``."""
-    first, out, calls = {}, {}, {}
-    for name, fn in fns.items():
-        first[name], _, out[name] = _timed(fn, clock)
-        warm, _, out[name] = _timed(fn, clock)
-        calls[name] = max(1, round(sample_s / max(warm, 1e-9)))
-    runs = {name: max(2, min(repeats, int(budget_s / max(first[name], sample_s)))) for name in fns}
-    times: dict[Any, list[float]] = {name: [] for name in fns}
-    peaks: dict[Any, list[float | None]] = {name: [] for name in fns}
-    for turn in range(max(runs.values(), default=0)):
-        for name, fn in fns.items():
-            if turn < runs[name]:
-                time.sleep(settle_s)
-                seconds, peak, out[name] = _timed_calls(fn, calls[name], clock)
-                times[name].append(seconds)
-                peaks[name].append(peak)
-    return {name: (statistics.median(times[name]), runs[name], first[name],
-                   None if None in peaks[name] else max(peaks[name]), out[name]) for name in fns}
-
-
 def _applies(case: Case, backend: str) -> bool:
     """numpy-ref (numpy without its fast paths) runs forward rows only, the low-precision rows
     (``QUANTIZED_DECODE``) decode rows only, torch-compile forward, training and decode rows; training runs
@@ -185,35 +125,6 @@ def _applies(case: Case, backend: str) -> bool:
     if case.part in ("prefill", "decode"):
         return True
     return case.part == "forward" or backend in ("torch", "transformers")
-
-
-#: Decode steps each row takes in one turn of :func:`interleaved_decode`'s rounds.
-ROUND_STEPS = 4
-
-
-def interleaved_decode(runs: dict[Any, DecodeRun], read: Callable[[], Any], clock: Clock,
-                       round_steps: int = ROUND_STEPS,
-                       settle_s: float = SETTLE_S) -> tuple[dict[Any, tuple[list[float], list[Any]]], list[float]]:
-    """Decode rows side by side: each run's prompt pass and first token in turn (untimed), then
-    rounds in which every run takes ``round_steps`` timed steps in turn and ``read`` (the streaming
-    read) is timed once, each after ``settle_s`` idle seconds (:data:`SETTLE_S`), until each run has
-    ``DECODE_STEPS`` steps. So the rows' step times, and the bandwidth they are compared with, share
-    the machine's load as the forward rows' do (a compiling first step lands in the first round).
-    Returns ``({run: (step seconds, tokens)}, read seconds)``."""
-    steps = {key: ([], timed_steps(run, 1, clock)[1]) for key, run in runs.items()}
-    read()  # warm-up
-    reads = []
-    for done in range(0, DECODE_STEPS, round_steps):
-        for key, run in runs.items():
-            time.sleep(settle_s)
-            times, tokens = timed_steps(run, min(round_steps, DECODE_STEPS - done), clock)
-            steps[key][0].extend(times)
-            steps[key][1].extend(tokens)
-        time.sleep(settle_s)
-        start = clock()
-        read()
-        reads.append(clock() - start)
-    return steps, reads
 
 
 def run_group(group: list[Case], backends: list[str], repeats: int, clock: Clock = time.perf_counter,
@@ -363,8 +274,8 @@ def _plain_progress(items: list[Any]) -> Any:
 def _llama(args: argparse.Namespace, parts: tuple[str, ...], notes: list[str],
            stack: contextlib.ExitStack) -> LlamaCpp | None:
     """The run's llama.cpp rows (converted files in a temporary folder that ``stack`` removes), or
-    None with a note saying why not, when the prefill, decode or quality part runs."""
-    if not {"prefill", "decode", "quality"} & set(parts):
+    None with a note saying why not, when the prefill, decode, quality or hybrid part runs."""
+    if not {"prefill", "decode", "quality", "hybrid"} & set(parts):
         return None
     why = unavailable(args.llama_convert, QUICK[2] if args.quick else LM_130M)
     if why is not None:
@@ -409,14 +320,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true",
                         help="add this run as a section at the end of the folder's RESULTS.md (no plot), "
                              "e.g. a --threads 2 run after the main one")
+    parser.add_argument("--hybrid-shapes", default=",".join(hybrid.FAMILIES),
+                        help=f"comma list of the hybrid part's shapes: {', '.join(hybrid.FAMILIES)}")
+    parser.add_argument("--hybrid-steps", type=count(1), default=DECODE_STEPS,
+                        help="timed greedy steps of each hybrid decode row")
     parser.add_argument("--llama-convert", default=os.environ.get(CONVERT_ENV), metavar="CONVERT_HF_TO_GGUF",
                         help="llama.cpp's convert_hf_to_gguf.py: with llama-cpp-python installed, the prefill "
                              f"and decode parts get llama.cpp rows (default: ${CONVERT_ENV})")
     args = parser.parse_args(argv)
     parts = tuple(p.strip() for p in args.only.split(",") if p.strip())
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    families = [f.strip() for f in args.hybrid_shapes.split(",") if f.strip()]
     for bad in [p for p in parts if p not in PARTS] + [b for b in wanted if b not in BACKENDS]:
         parser.error(f"unknown part or backend {bad!r}: parts {PARTS}, backends {BACKENDS}")
+    for bad in [f for f in families if f not in hybrid.FAMILIES]:
+        parser.error(f"--hybrid-shapes: unknown shape {bad!r}: {', '.join(hybrid.FAMILIES)}")
     out = output_dir(args.out, quick=args.quick, overwrite=args.overwrite)
     notes = [f"command: portable-ssm bench {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()]
     notes += _set_threads(args.threads)
@@ -455,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("--clock cpu: times are this process's CPU seconds (time.process_time), not wall time")
     rows: list[Row] = []
     graded: list[QualityRow] = []
+    hybrid_rows: list[HybridRow] = []
     fresh = not args.quick if args.fresh_peak is None else args.fresh_peak
     if fresh:
         notes.append("peak MiB from fresh processes (python -m portable_ssm.bench.peak, one per row and call)")
@@ -467,8 +386,13 @@ def main(argv: list[str] | None = None) -> int:
                               bandwidth_gib=1 / 16 if args.quick else 1.0, settle_s=0.0 if args.quick else SETTLE_S)
         if "quality" in parts:
             graded = quality(backends, llama, QUICK_TRAIN_STEPS if args.quick else TRAIN_STEPS, notes)
+        if "hybrid" in parts:
+            hybrid_rows = hybrid.part(families, llama, args.llama_convert, backends, quick=args.quick,
+                                      max_len=args.max_len, steps=args.hybrid_steps, repeats=args.repeats, clock=clock,
+                                      sample_s=0.05 if args.quick else 1.0,
+                                      settle_s=0.0 if args.quick else SETTLE_S, notes=notes)
     for row in _progress([r for r in rows if r.backend in BACKENDS]) if fresh else []:  # not llama.cpp's
         row.fresh = fresh_peak_mib(row.case, row.backend)
     notes.append(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    print(f"wrote {write_results(rows, out, notes, append=args.append, quality=graded)}")
+    print(f"wrote {write_results(rows, out, notes, append=args.append, quality=graded, hybrid=hybrid_rows)}")
     return 0
