@@ -11,9 +11,9 @@ timed. At batch 1 it times, per context:
   ``HybridLM.step`` calls, each timed alone, beside llama.cpp's one ``eval`` of the prompt and
   ``eval`` of each token (:func:`~portable_ssm.bench.llama.greedy_run`), every row's steps side by
   side in rounds (:func:`~portable_ssm.bench.runner.interleaved_decode`);
-- prefill: ``HybridLM.prefill`` of the prompt at float32 weights (it returns every position's
-  logits, as it does for a user) beside llama.cpp f32's ``eval`` to the last logits, side by side in
-  rounds (:func:`~portable_ssm.bench.timing.measure`).
+- prefill: ``HybridLM.prefill(..., logits_to_keep=1)`` of the prompt at float32 weights (the last
+  position's logits, as generation asks for them) beside llama.cpp f32's ``eval`` to the last
+  logits, side by side in rounds (:func:`~portable_ssm.bench.timing.measure`).
 
 Frameworks are imported inside functions only.
 """
@@ -113,7 +113,7 @@ def _prefill_row(shape: HybridShape, model: Any, llama: LlamaCpp | None, files: 
     row = PRECISIONS[0][1]
     loading = llama.load({row: files[row]}, n_ctx=length) if llama and files else contextlib.nullcontext({})
     with loading as loaded:
-        fns = {"float32": lambda: model.prefill(ids)[0][:, -1, :]}
+        fns = {"float32": lambda: model.prefill(ids, logits_to_keep=1)[0][:, -1, :]}
         if loaded:
             fns[row] = functools.partial(last_logits, loaded[row], [int(t) for t in ids[0]])
         measured = measure(fns, repeats, clock, sample_s=sample_s, settle_s=settle_s)
@@ -181,8 +181,8 @@ def part(families: list[str], llama: LlamaCpp | None, converter: str | None, bac
                  "HybridLM.quantize('bfloat16' / 'int8'); decode: b=1, HybridLM.prefill of a prompt of "
                  f"{' and '.join(map(str, contexts)) or 'no'} random ids (untimed), then {steps} greedy "
                  "HybridLM.step calls timed one by one, side by side in rounds with llama.cpp's (its f32 beside "
-                 "float32, f16 beside bfloat16, q8_0 beside int8); prefill: float32 HybridLM.prefill (every "
-                 "position's logits, as it returns them) beside llama.cpp f32's eval to the last logits; the "
+                 "float32, f16 beside bfloat16, q8_0 beside int8); prefill: float32 HybridLM.prefill "
+                 "(logits_to_keep=1: the last position's logits) beside llama.cpp f32's eval to them; the "
                  "llama.cpp files carry a tokenizer rebuilt from llama.cpp's bundled DeepSeek-Coder vocabulary, "
                  f"the rows past its {TOKENIZER_ROWS} named [PAD i] by the converter, so each head keeps the "
                  "shape's vocabulary")
