@@ -18,6 +18,7 @@ step from one state) the step writes into a copy, so every state returned stays 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any
@@ -172,16 +173,18 @@ def plan(params: dict[str, Any], config: HybridConfig) -> HybridPlan:
 #: Each KV buffer this module made, by id: (a weak reference to it, its frontier: the first slot no
 #: state made from it holds). Entries leave with their buffers.
 _FRONTIER: dict[int, tuple[weakref.ref, int]] = {}
+_FRONTIER_LOCK = threading.Lock()
 
 
 def _writable(cache: np.ndarray, slot: int) -> np.ndarray:
     """``cache [1, kv, m, hd]`` itself where this module made it and its frontier is ``slot`` (no
     state holds that slot: it may be written in place), else a copy of it; either way its frontier
     becomes ``slot + 1``."""
-    known = _FRONTIER.get(id(cache))
-    out = cache if known is not None and known[0]() is cache and known[1] == slot else np.array(cache, order="C")
-    key = id(out)
-    _FRONTIER[key] = (weakref.ref(out, lambda _, key=key: _FRONTIER.pop(key, None)), slot + 1)
+    with _FRONTIER_LOCK:  # two threads stepping one state: one of them writes into a copy
+        known = _FRONTIER.get(id(cache))
+        out = cache if known is not None and known[0]() is cache and known[1] == slot else np.array(cache, order="C")
+        key = id(out)
+        _FRONTIER[key] = (weakref.ref(out, lambda _, key=key: _FRONTIER.pop(key, None)), slot + 1)
     return out
 
 
