@@ -116,3 +116,15 @@ def test_a_model_whose_projections_mix_storage_kinds_is_refused():
         "layers.0.mixer.in_proj.weight"]}
     with pytest.raises(ValueError, match="params: the projections must share one storage kind"):
         MarketModel(config=model.config, params=mixed, head=model.head, normaliser=model.normaliser)
+
+
+def test_a_run_whose_weights_cannot_be_quantized_is_a_market_data_error_naming_it(tmp_path):
+    model = _model()
+    params = dict(model.params)
+    params["layers.1.mixer.out_proj.weight"] = params["layers.1.mixer.out_proj.weight"].copy()
+    params["layers.1.mixer.out_proj.weight"][3, 2] = np.inf  # no int8 scale holds it
+    MarketModel(config=model.config, params=params, head=model.head, normaliser=model.normaliser).save(tmp_path)
+    data = json.loads((tmp_path / "market.json").read_text())
+    (tmp_path / "market.json").write_text(json.dumps({**data, "weights": "int8"}))
+    with pytest.raises(MarketDataError, match=r"does not fit together.*out_proj.weight.*row 3"):
+        MarketModel.load(tmp_path)
