@@ -3,8 +3,9 @@ DBN reading speed and peak memory on generated 10^7-record files. Prints Markdow
 
     python benchmarks/market_bench.py                      # both parts
     python benchmarks/market_bench.py --only latency --instruments 1 10
+    python benchmarks/market_bench.py --only latency --weights int8   # one storage kind of the projections
     python benchmarks/market_bench.py --only reading --records 1000000
-    python benchmarks/market_bench.py --only breakdown      # where one instrument's bar goes
+    python benchmarks/market_bench.py --only breakdown      # where one instrument's bar goes (per --weights)
 
 Latency: two model shapes (:data:`SHAPES`, float32, random weights), torch limited to one thread,
 numpy's BLAS to one thread; a "bar" is one update of every instrument. The seed shape is the one of
@@ -21,8 +22,11 @@ every N; the per-row native step that the tables of 2026-12-06 18:22 UTC call "p
 removed from MarketStream); ``MarketStream (new)``: every row in one call of
 ``portable_ssm.backends.numpy.rows.RowsStep`` (torch: on zero-copy NumPy views of its tensors), the
 products through the row kernel below ``GEMM_ROWS`` rows and OpenBLAS's sgemm from there; with
-``--both-products`` also each of the two at every N. Reading: each case runs in a fresh process and
-reports records/s and its peak RSS (VmHWM) above the RSS after imports.
+``--both-products`` also each of the two at every N. ``--weights`` (default all three) also times
+``MarketStream (new)`` of the model whose backbone projections are stored as int8 or bfloat16
+(``MarketModel.quantize``; the row kernel at every N, sgemm being float32 only); its ``weight_mib``
+column is the bytes of the backbone a bar reads (``portable_ssm.params_nbytes``). Reading: each case
+runs in a fresh process and reports records/s and its peak RSS (VmHWM) above the RSS after imports.
 """
 
 from __future__ import annotations
@@ -43,11 +47,13 @@ import numpy as np  # noqa: E402
 
 FIELDS = ("open", "high", "low", "close", "volume")
 #: The latency tables' model shapes (Mamba2Config keyword arguments); the module docstring says why.
+#: The backbone projections' storage kinds the latency table times (``MarketModel.quantize``).
+WEIGHTS = ("float32", "int8", "bfloat16")
 SHAPES = {"seed (d_state 16, expand 4)": dict(d_model=256, n_layer=2, d_state=16, expand=4, headdim=64),
           "d_state 128, expand 2": dict(d_model=256, n_layer=2, d_state=128, expand=2, headdim=64)}
 
 
-def _seed_model(backend: str, shape: str = next(iter(SHAPES))):
+def _seed_model(backend: str, shape: str = next(iter(SHAPES)), weights: str = "float32"):
     from portable_ssm.market import FEATURES, MarketModel, Normaliser
 
     from portable_ssm import Mamba2Config, init_params, to_backend
@@ -57,8 +63,9 @@ def _seed_model(backend: str, shape: str = next(iter(SHAPES))):
     head = {"inp.weight": rng.standard_normal((256, len(FEATURES))) / 3, "inp.bias": np.zeros(256),
             "head.weight": rng.standard_normal((1, 256)) / 16, "head.bias": np.zeros(1)}
     head = {k: to_backend(v.astype(np.float32), backend) for k, v in head.items()}
-    return MarketModel(config=config, params=init_params(config, seed=0, backend=backend), head=head,
-                       normaliser=Normaliser(mean=np.zeros(len(FEATURES)), std=np.ones(len(FEATURES))))
+    model = MarketModel(config=config, params=init_params(config, seed=0, backend=backend), head=head,
+                        normaliser=Normaliser(mean=np.zeros(len(FEATURES)), std=np.ones(len(FEATURES))))
+    return model.quantize(weights)
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -105,43 +112,50 @@ def _time_new(model, bars, n: int, warmup: int, path: str) -> dict[str, float]:
     return _summary(times[warmup:])
 
 
-def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int, both_products: bool = False) -> list[dict]:
-    """Rows of the latency table: shape, backend, path, N, median and p99 µs per bar."""
+def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int, both_products: bool = False,
+            weights: tuple[str, ...] = WEIGHTS) -> list[dict]:
+    """Rows of the latency table: shape, backend, weights, path, N, median and p99 µs per bar (the
+    old paths for float32 weights only; ``MarketStream (new)`` for each of ``weights``)."""
     import torch
     from portable_ssm.market import synthetic_bars
 
+    from portable_ssm import params_nbytes
+
     torch.set_num_threads(1)
     rows = []
-    paths = ["reference", "new", *(("row kernel", "sgemm") if both_products else ())]
     with torch.no_grad():
         for shape in SHAPES:
             for backend in ("numpy", "torch"):
-                model = _seed_model(backend, shape)
-                feed = synthetic_bars("planted", bars_per_n.get(1, 1000) + warmup, seed=0)
-                rows.append({"shape": shape, "backend": backend, "path": "StreamPredictor (old)", "n": 1,
-                             **_time_old(model, feed, warmup)})
-                print(json.dumps(rows[-1]), file=sys.stderr)
-                for n in instruments:
-                    feed = synthetic_bars("planted", bars_per_n.get(n, 50) + warmup, seed=0)
-                    for path in paths:
-                        label = {"reference": "MarketStream, portable_ssm.step (old)", "new": "MarketStream (new)"}.get(
-                            path, f"MarketStream, RowsStep {path} only")
-                        rows.append({"shape": shape, "backend": backend, "path": label, "n": n,
-                                     **_time_new(model, feed, n, warmup, path)})
+                for kind in weights:
+                    model = _seed_model(backend, shape, kind)
+                    at = {"shape": shape, "backend": backend, "weights": kind,
+                          "weight_mib": round(params_nbytes(model.params) / 2**20, 2)}
+                    if kind == "float32":
+                        feed = synthetic_bars("planted", bars_per_n.get(1, 1000) + warmup, seed=0)
+                        rows.append({**at, "path": "StreamPredictor (old)", "n": 1, **_time_old(model, feed, warmup)})
                         print(json.dumps(rows[-1]), file=sys.stderr)
+                    paths = ["reference", "new", *(("row kernel", "sgemm") if both_products else ())]
+                    for n in instruments:
+                        feed = synthetic_bars("planted", bars_per_n.get(n, 50) + warmup, seed=0)
+                        for path in paths if kind == "float32" else ["new"]:
+                            label = {"reference": "MarketStream, portable_ssm.step (old)",
+                                     "new": "MarketStream (new)"}.get(path, f"MarketStream, RowsStep {path} only")
+                            rows.append({**at, "path": label, "n": n, **_time_new(model, feed, n, warmup, path)})
+                            print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
 
 
-def breakdown(backend: str, reps: int = 400) -> dict[str, float]:
+def breakdown(backend: str, reps: int = 400, weights: str = "float32") -> dict[str, float]:
     """Median µs of each stage of one ``MarketStream.update`` of one instrument on the seed shape
-    (time.perf_counter_ns around each stage called alone, as ``update`` calls it)."""
+    with its projections stored as ``weights`` (time.perf_counter_ns around each stage called
+    alone, as ``update`` calls it)."""
     import torch
     from portable_ssm.market import synthetic_bars
     from portable_ssm.market._checks import check_float_array
     from portable_ssm.market.features import feature_rows, model_inputs
 
     torch.set_num_threads(1)
-    stream = _seed_model(backend).stream([0])
+    stream = _seed_model(backend, weights=weights).stream([0])
     bars = synthetic_bars("planted", 60 + reps, seed=0)
     ids, fields = np.arange(1), [getattr(bars, f)[:, None].copy() for f in FIELDS]  # [T, 1] each
 
@@ -300,17 +314,23 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--both-products", action="store_true",
                    help="also time RowsStep with the row kernel only and with sgemm only at every N")
+    p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS),
+                   help="storage kinds of the backbone's projections to time (MarketModel.quantize)")
+    p.add_argument("--bars", type=int, help="bars timed at every N (default: 1000 at N = 1 down to 30 at 1000)")
     p.add_argument("--records", type=int, default=10_000_000)
     p.add_argument("--reference-records", type=int, default=1_000_000)
     args = p.parse_args()
     result = {"load_average_at_start": [round(v, 1) for v in os.getloadavg()], "cpus": os.cpu_count()}
     if args.only == "breakdown":
-        result["breakdown"] = {backend: breakdown(backend) for backend in ("numpy", "torch")}
+        result["breakdown"] = {f"{backend}, {kind}": breakdown(backend, weights=kind)
+                               for backend in ("numpy", "torch") for kind in args.weights}
         print(json.dumps(result["breakdown"], indent=1))
     if args.only in (None, "latency"):
-        bars = {1: 1000, 10: 300, 100: 100, 1000: 30}
-        result["latency"] = latency(args.instruments, bars, args.warmup, args.both_products)
-        print(_table(result["latency"], ["shape", "backend", "path", "n", "median_us", "p99_us", "bars"]))
+        bars = {1: 1000, 10: 300, 100: 100, 1000: 30} if args.bars is None else dict.fromkeys(args.instruments,
+                                                                                                args.bars)
+        result["latency"] = latency(args.instruments, bars, args.warmup, args.both_products, tuple(args.weights))
+        print(_table(result["latency"], ["shape", "backend", "weights", "weight_mib", "path", "n", "median_us",
+                                         "p99_us", "bars"]))
     if args.only in (None, "reading"):
         result["reading"] = reading(args.records, args.reference_records)
         print(_table(result["reading"], ["case", "records", "file_mib", "records_per_s", "seconds",

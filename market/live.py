@@ -11,7 +11,9 @@ leave (:meth:`remove`) between updates; the others' states are untouched.
 The step (``fast=True``, the default) takes the fastest exact path each backend has:
 
 - NumPy, and PyTorch's float32 CPU tensors (through zero-copy NumPy views of them, as the torch
-  backend's own native paths read its tensors), with a float32 head: one call of the compiled
+  backend's own native paths read its tensors; projections may be int8 or bfloat16
+  :class:`~portable_ssm.QuantizedWeight`, viewed as int8 and as bfloat16 bits), with a float32
+  head: one call of the compiled
   library per bar for every updating row together
   (:class:`portable_ssm.backends.numpy.rows.RowsStep`: the whole-model decode of
   ``backends/cpu/decode_model.h`` with each weight read once per bar for all rows, each row's
@@ -35,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_ssm import Mamba2Config, Mamba2State, empty_state, step, to_backend
+from portable_ssm import Mamba2Config, Mamba2State, QuantizedWeight, empty_state, step, to_backend
 from portable_ssm._array import array_backend, device, namespace
 
 from ._checks import check_float_array, check_int
@@ -47,6 +49,23 @@ HEAD_NAMES = ("inp.weight", "inp.bias", "head.weight", "head.bias")
 
 def _linear(x: Any, weight: Any, bias: Any) -> Any:
     return x @ weight.T + bias  # [..., in] -> [..., out]
+
+
+def _quantized_parts(w: QuantizedWeight, torch: Any) -> list[Any] | None:
+    """The tensors a NumPy view of the torch ``w`` reads: its int8 data and scales, or its bfloat16
+    data reinterpreted as int16 (the same bits); None where its data is neither."""
+    if not isinstance(w.data, torch.Tensor):
+        return None
+    if w.kind == "int8" and w.data.dtype == torch.int8 and getattr(w.scale, "dtype", None) == torch.float32:
+        return [w.data, w.scale]
+    if w.kind == "bfloat16" and w.data.dtype == torch.bfloat16:
+        return [w.data.view(torch.int16)]
+    return None
+
+
+def _bits(view: np.ndarray, kind: str) -> np.ndarray:
+    """A quantized weight's NumPy storage view: int8 as it is, bfloat16's int16 view as uint16 bits."""
+    return view.view(np.uint16) if kind == "bfloat16" else view
 
 
 def check_head(head: Any, config: Mamba2Config, features: int) -> None:
@@ -126,9 +145,11 @@ class MarketStream:
         params = {**self.params, "lm_head.weight": self.head["head.weight"]}
         return params, dataclasses.replace(self.config, tie_embeddings=False)
 
-    def _host(self, tensors: list[Any]) -> list[np.ndarray] | None:
+    def _host(self, tensors: list[Any]) -> list[Any] | None:
         """The arrays as NumPy sees their memory: themselves on NumPy, zero-copy views of plain float32
-        CPU torch tensors; None where there are none (another backend, device or dtype)."""
+        CPU torch tensors (a :class:`QuantizedWeight` as one over views of its int8 data and scales
+        or of its bfloat16 data's bits, uint16); None where there are none (another backend, device
+        or dtype)."""
         if self._backend == "numpy":
             return list(tensors)
         if self._backend != "torch":
@@ -136,10 +157,20 @@ class MarketStream:
         import torch
         from portable_ssm.backends import torch as torch_backend
 
-        if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in tensors):
-            return None  # NumPy has no bfloat16 to view them as; the other paths take them
-        views = torch_backend._plain_views(*tensors)
-        return None if views is None else list(views)
+        plain, spans = [], []  # the tensors to view; per entry, its slice of them
+        for t in tensors:
+            parts = _quantized_parts(t, torch) if isinstance(t, QuantizedWeight) else [t]
+            if parts is None or not isinstance(t, QuantizedWeight) and not (isinstance(t, torch.Tensor)
+                                                                             and t.dtype == torch.float32):
+                return None  # bfloat16 arrays (no NumPy dtype to view them as): the other paths take them
+            spans.append(slice(len(plain), len(plain) + len(parts)))
+            plain += parts
+        views = torch_backend._plain_views(*plain)
+        if views is None:
+            return None
+        return [QuantizedWeight(_bits(views[s][0], t.kind), views[s][1] if t.kind == "int8" else None, t.kind,
+                                np.dtype(np.float32)) if isinstance(t, QuantizedWeight) else views[s][0]
+                for t, s in zip(tensors, spans)]
 
     def _prepared_rows_step(self) -> Any:
         """:class:`~portable_ssm.backends.numpy.rows.RowsStep` of the model (on NumPy, or on views of

@@ -17,10 +17,11 @@ pytestmark = pytest.mark.skipif(kernels.library() is None, reason="NumPy's compi
 CONFIG = ps.Mamba2Config(d_model=32, n_layer=2, d_state=16, headdim=8, expand=4, tie_embeddings=False)
 
 
-def _plan_and_states(batch: int, seed: int = 0):
+def _plan_and_states(batch: int, seed: int = 0, kind: str = "float32"):
     params = ps.init_params(CONFIG, seed=seed, backend="numpy")
     rng = np.random.default_rng(seed)
     params = {**params, "lm_head.weight": rng.standard_normal((1, CONFIG.d_model)).astype(np.float32)}
+    params = ps.quantize(params, kind)  # projections (and the head) as int8 or bfloat16 bits
     like = ps.empty_state(CONFIG, batch, params["norm_f.weight"])
     conv = [rng.standard_normal(a.shape).astype(np.float32) for a in like.conv]
     ssm = [rng.standard_normal(a.shape).astype(np.float32) for a in like.ssm]
@@ -31,11 +32,12 @@ def _copies(arrays):
     return [a.copy() for a in arrays]
 
 
+@pytest.mark.parametrize("kind", ["float32", "int8", "bfloat16"])
 @pytest.mark.parametrize("rows", [None, [4, 0, 7]], ids=["every row", "some rows out of order"])
-def test_rows_stepped_together_by_the_row_kernel_equal_the_batch_1_step_bit_for_bit(rows):
+def test_rows_stepped_together_by_the_row_kernel_equal_the_batch_1_step_bit_for_bit(rows, kind):
     from portable_ssm.backends.numpy.rows import RowsStep
 
-    plan, conv, ssm = _plan_and_states(9)
+    plan, conv, ssm = _plan_and_states(9, kind=kind)
     picked = np.arange(9) if rows is None else np.array(rows, dtype=np.int64)
     x = np.random.default_rng(1).standard_normal((picked.size, CONFIG.d_model)).astype(np.float32)
     conv_ref, ssm_ref = _copies(conv), _copies(ssm)
