@@ -230,6 +230,7 @@ def _attention_case(seed: int, b: int, h: int, kv: int, l: int, m: int, hd: int 
 @pytest.mark.parametrize("b, h, kv, l, m", [(1, 6, 2, 200, 200), (2, 4, 1, 130, 300), (1, 3, 3, 64, 90)])
 def test_blocked_attention_equals_the_reference(b, h, kv, l, m, monkeypatch):
     from portable_ssm.backends.numpy import attention as blocked
+
     from portable_ssm.blocks.attention import attend
 
     monkeypatch.setattr(blocked, "SCORE_BYTES", 4096)  # many tiles, a partial last one
@@ -264,3 +265,22 @@ def test_prefill_keeps_only_the_last_logits_asked_for():
     for bad, error in ((-1, ValueError), (1.0, TypeError), (True, TypeError)):
         with pytest.raises(error, match="logits_to_keep"):
             lm.prefill(ids, logits_to_keep=bad)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_prompts_keys_land_in_their_own_slots_only(fast):
+    from portable_ssm.blocks.attention import _write
+
+    rng = np.random.default_rng(3)
+    cache = rng.standard_normal((2, 3, 9, 4)).astype(np.float32)
+    new = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
+    new[0, 1, 2] = np.nan  # token 2 of row 0: a NaN key reaches its own slot only, never an earlier token's
+    new[1, 0, 0] = np.inf
+    want = cache.copy()
+    want[0, :, 0:4], want[1, :, 5:9] = new[0], new[1]
+    with contextlib.nullcontext() if fast else pytest.MonkeyPatch.context() as patch:
+        if not fast:
+            patch.delitem(numpy_backend.FAST_OPS, "write_slots")
+        got = _write(cache, new, np.array([0, 5]), xp=numpy_backend.namespace())
+    np.testing.assert_array_equal(got, want)
+    assert got is not cache and np.isnan(got).sum() == 4 and np.isinf(got).sum() == 4

@@ -155,11 +155,22 @@ def _heads(v: Array, heads: int, hd: int, *, xp: Namespace) -> Array:
     return xp.permute_dims(xp.reshape(v, (b, l, heads, hd)), (0, 2, 1, 3))  # [b, l, heads·hd] -> [b, heads, l, hd]
 
 
-def _write(cache: Array, new: Array, hit: Array, *, xp: Namespace) -> Array:
-    """``cache [b, kv, m, hd]`` with ``new [b, kv, l, hd]`` in the slots of the one-hot ``hit [b, l, m]``."""
-    spread = xp.astype(xp.matrix_transpose(hit), new.dtype)[:, None, :, :]  # [b, l, m] -> [b, 1, m, l]
-    placed = xp.matmul(spread, new)  # [b, 1, m, l] @ [b, kv, l, hd] -> [b, kv, m, hd]
-    return xp.where(xp.any(hit, axis=1)[:, None, :, None], placed, cache)
+def _write(cache: Array, new: Array, start: Array, *, xp: Namespace) -> Array:
+    """``cache [b, kv, m, hd]`` with row i's ``new [b, kv, l, hd]`` in its slots ``start[i] ..
+    start[i]+l-1``, as a new array: each slot gathers the token that lands in it (one take per
+    row), so a value reaches its own slot only (a NaN key stays in its token's slot). The backend's
+    ``fast_op(xp, "write_slots")`` may copy and assign instead."""
+    native = fast_op(xp, "write_slots")
+    written = None if native is None else native(cache, new, start)
+    if written is not None:
+        return written
+    b, _, m, _ = cache.shape
+    l = new.shape[2]
+    token = xp.arange(m, dtype=xp.int64, device=device(start))[None, :] - start[:, None]  # [b, m]: which lands there
+    inside = (token >= 0) & (token < l)  # [b, m]
+    at = xp.clip(token, 0, l - 1)
+    placed = xp.stack([xp.take(new[i, ...], at[i, ...], axis=1) for i in range(b)])  # [b, kv, m, hd]
+    return xp.where(inside[:, None, :, None], placed, cache)
 
 
 def _project(x: Array, p: dict[str, Array], spec: AttentionSpec, rope_pos: Array, *, xp: Namespace,
@@ -228,8 +239,7 @@ def attention(x: Array, p: dict[str, Array], spec: AttentionSpec, cache: KVCache
     m = cache.k.shape[2]
     slots = xp.arange(m, dtype=xp.int64, device=device(x))
     query_slot = query_slots(start, l, xp=xp)  # [b, l]
-    hit = slot_hits(start, l, m, xp=xp)  # [b, l, m]
-    cache = KVCache(_write(cache.k, k, hit, xp=xp), _write(cache.v, v, hit, xp=xp), conv)
+    cache = KVCache(_write(cache.k, k, start, xp=xp), _write(cache.v, v, start, xp=xp), conv)
     visible = (slots[None, None, :] <= query_slot[:, :, None]) & valid[:, None, :]  # [b, l, m]
     out = _out(attend(q, cache.k, cache.v, visible, spec.scale, xp=xp), p, xp=xp, mlp=inner_mlp(x, p, spec, xp=xp))
     return out, cache
