@@ -12,7 +12,6 @@ author recalls it; the weights are random, so only the speed means anything.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -31,27 +30,6 @@ def _granite_350m():
                                            vocab_size=None),
                         attention=AttentionSpec(12, 4, 64, 0.015625), mlp=MLPSpec("silu", True), d_ff=2048,
                         tie_embeddings=True, family="granitemoehybrid")
-
-
-def _random_params(config, seed: int = 0) -> dict:
-    """Weights U(±1/sqrt(fan_in)), norms and D one, A_log log(1..h), dt_bias softplus⁻¹(0.01)."""
-    import numpy as np
-
-    from portable_ssm.stack import param_shapes
-
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in param_shapes(config).items():
-        if name.endswith("A_log"):
-            out[name] = np.log(np.arange(1, shape[0] + 1, dtype=np.float32))
-        elif name.endswith("dt_bias"):
-            out[name] = np.full(shape, math.log(math.expm1(0.01)), dtype=np.float32)
-        elif len(shape) == 1 or name.endswith(".D"):
-            out[name] = np.ones(shape, dtype=np.float32)
-        else:
-            bound = 1.0 / math.sqrt(math.prod(shape[1:]))
-            out[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
-    return out
 
 
 def _median_ms(step, token, state, steps: int) -> float:
@@ -73,12 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     import portable_ssm
+    from portable_ssm.bench.hybrid_models import random_params
     from portable_ssm.hybrid_lm import HybridLM
     from portable_ssm.lm import decode, prefill
 
     prompt = np.arange(1, 17, dtype=np.int64)[None, :]  # [1, 16]
     config = _granite_350m()
-    hybrid = HybridLM(_random_params(config), config)
+    hybrid = HybridLM(random_params(config), config)
     _, state = hybrid.prefill(prompt, max_len=16 + args.steps)
     granite = _median_ms(hybrid.step, np.array([1]), state, args.steps)
 

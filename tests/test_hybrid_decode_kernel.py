@@ -8,7 +8,6 @@ test_families.py and test_hybrid_generation.py run through it too: batch-1 NumPy
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -17,10 +16,11 @@ import pytest
 from portable_ssm.backends import numpy as numpy_backend
 from portable_ssm.backends.numpy import hybrid, kernels
 
+from portable_ssm.bench.hybrid_models import random_params
 from portable_ssm.blocks import AttentionSpec, MLPSpec, MoESpec
 from portable_ssm.config import Mamba2Config
 from portable_ssm.hybrid_lm import HybridLM
-from portable_ssm.stack import HybridConfig, param_shapes
+from portable_ssm.stack import HybridConfig
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="NumPy's CPU kernels are not built here")
 
@@ -54,21 +54,8 @@ CONFIGS = {
 }
 
 
-def _params(config: HybridConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random weights U(±1/sqrt(fan_in)), norms around one, A_log log(1..h), dt_bias softplus⁻¹(0.05)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in param_shapes(config).items():
-        if name.endswith("A_log"):
-            out[name] = np.log(np.arange(1, shape[0] + 1, dtype=np.float32))
-        elif name.endswith("dt_bias"):
-            out[name] = np.full(shape, math.log(math.expm1(0.05)), dtype=np.float32)
-        elif len(shape) == 1 or name.endswith(".D"):
-            out[name] = (1 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
-        else:
-            bound = 1.0 / math.sqrt(math.prod(shape[1:]))
-            out[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
-    return out
+def _params(config: HybridConfig) -> dict[str, np.ndarray]:
+    return random_params(config, dt=0.05, norm_noise=0.2)
 
 
 @contextlib.contextmanager

@@ -263,29 +263,36 @@ def decode_rows_in_place(x: np.ndarray, conv_states: list[np.ndarray], ssm_state
     return logits
 
 
-#: The plan :func:`decode_model_hook` last made: ``{(config, names, ids of the values): (weak
-#: references to the values, the plan without its arrays)}`` (weak, so a model the caller drops is
-#: freed; a plan is used only while every value it was made from is alive).
-_PLANS: dict[tuple[Any, ...], tuple[list[Any], Plan]] = {}
+class LastPlan:
+    """``make(params, config)`` (a plan builder that raises ValueError for what it refuses),
+    remembered for the params last asked about: ``{(config, names, ids of the values): (weak
+    references to the values, the plan without its arrays)}`` (weak, so a model the caller drops is
+    freed; a plan is used only while every value it was made from is alive)."""
+
+    def __init__(self, make: Any) -> None:
+        self.make, self.known = make, {}
+
+    def __call__(self, params: dict[str, Any], config: Any) -> Any:
+        """The plan of ``params``, remembered (the same names and the same live objects); None where
+        ``make`` refuses them."""
+        key = (config, tuple(params), tuple(map(id, params.values())))
+        known = self.known.get(key)
+        if known is not None and all(r() is not None for r in known[0]):
+            return known[1]
+        self.known.clear()
+        try:
+            made = self.make(params, config)
+        except ValueError:
+            return None
+        try:  # remembered without its arrays: the model's own references keep them alive while it is
+            self.known[key] = ([weakref.ref(v) for v in params.values()], replace(made, arrays=()))
+        except TypeError:  # a value without weak references: planned again next call
+            pass
+        return made
 
 
-def known_plan(params: dict[str, Any], config: Mamba2Config) -> Plan | None:
-    """:func:`plan` of ``params``, remembered for the params last asked about (the same names and
-    the same live objects); None where it refuses them."""
-    key = (config, tuple(params), tuple(map(id, params.values())))
-    known = _PLANS.get(key)
-    if known is not None and all(r() is not None for r in known[0]):
-        return known[1]
-    _PLANS.clear()
-    try:
-        made = plan(params, config)
-    except ValueError:
-        return None
-    try:  # remembered without its arrays: the model's own references keep them alive while it is
-        _PLANS[key] = ([weakref.ref(v) for v in params.values()], replace(made, arrays=()))
-    except TypeError:  # a value without weak references: planned again next call
-        pass
-    return made
+#: :func:`plan`, remembered for the params :func:`decode_model_hook` last stepped.
+known_plan = LastPlan(plan)
 
 
 def decode_model_hook(x: Any, state: Mamba2State, params: dict[str, Any],

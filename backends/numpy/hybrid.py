@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from portable_ssm.blocks.attention import KVCache
 from portable_ssm.stack import HybridConfig, HybridState
 
 from . import kernels
-from .decode import BYTES_PER_THREAD, _address, _aligned_empty, _float32, _weight, head_row, mamba_row
+from .decode import BYTES_PER_THREAD, LastPlan, _address, _aligned_empty, _float32, _weight, head_row, mamba_row
 from .threads import workers
 
 #: The MLP activations the kernel computes, by its number.
@@ -188,28 +188,8 @@ def _writable(cache: np.ndarray, slot: int) -> np.ndarray:
     return out
 
 
-#: The plan :func:`decode_hybrid_hook` last made, as :data:`.decode._PLANS` (weak references to the
-#: values it was made from, the plan without its arrays).
-_PLANS: dict[tuple[Any, ...], tuple[list[Any], HybridPlan]] = {}
-
-
-def known_plan(params: dict[str, Any], config: HybridConfig) -> HybridPlan | None:
-    """:func:`plan` of ``params``, remembered for the params last asked about (the same names and
-    the same live objects); None where it refuses them."""
-    key = (config, tuple(params), tuple(map(id, params.values())))
-    known = _PLANS.get(key)
-    if known is not None and all(r() is not None for r in known[0]):
-        return known[1]
-    _PLANS.clear()
-    try:
-        made = plan(params, config)
-    except ValueError:
-        return None
-    try:
-        _PLANS[key] = ([weakref.ref(v) for v in params.values()], replace(made, arrays=()))
-    except TypeError:  # a value without weak references: planned again next call
-        pass
-    return made
+#: :func:`plan`, remembered for the params :func:`decode_hybrid_hook` last stepped.
+known_plan = LastPlan(plan)
 
 
 def _shaped(a: Any, dtype: Any, shape: tuple[int, ...]) -> bool:

@@ -164,3 +164,28 @@ def write_tokenizer(folder: Path, vocab: Path) -> None:
     tok.add_special_tokens([AddedToken(tokens[bos], special=True), AddedToken(tokens[eos], special=True)])
     tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=tokens[bos], eos_token=tokens[eos]).save_pretrained(folder)
+
+
+def random_params(config: Any, *, seed: int = 0, dt: float = 0.01, norm_noise: float = 0.0) -> dict[str, Any]:
+    """Random NumPy weights for every parameter of the hybrid ``config``
+    (:func:`portable_ssm.stack.param_shapes`): matrices U(±1/sqrt(fan_in)), A_log log(1..h),
+    dt_bias softplus⁻¹(``dt``), norms and D one plus ``norm_noise`` standard normal."""
+    import math
+
+    import numpy as np
+
+    from ..stack import param_shapes
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in param_shapes(config).items():
+        if name.endswith("A_log"):
+            out[name] = np.log(np.arange(1, shape[0] + 1, dtype=np.float32))
+        elif name.endswith("dt_bias"):
+            out[name] = np.full(shape, math.log(math.expm1(dt)), dtype=np.float32)
+        elif len(shape) == 1 or name.endswith(".D"):
+            out[name] = (1 + norm_noise * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            bound = 1.0 / math.sqrt(math.prod(shape[1:]))
+            out[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
+    return out
