@@ -458,9 +458,11 @@ def test_a_run_with_fresh_peak_reports_each_rows_process_memory(tmp_path):
     assert "peak MiB from fresh processes" in text
 
 
-def test_quick_hybrid_part_times_every_precision_and_says_why_llama_cpp_rows_are_missing(tmp_path):
+def test_quick_hybrid_part_times_every_precision_and_says_why_llama_cpp_rows_are_missing(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))  # as if installed: the reason
+    monkeypatch.delenv(llama.CONVERT_ENV, raising=False)  # is the missing converter wherever the test runs
     out = tmp_path / "out"
     assert bench.main(["--quick", "--only", "hybrid", "--backends", "numpy", "--repeats", "2", "--hybrid-steps", "2",
                        "--out", str(out)]) == 0
@@ -515,6 +517,8 @@ def test_hybrid_checkpoints_spell_layer_types_as_the_hub_does(tmp_path):
 
 def test_hybrid_llama_rows_say_which_rule_a_shape_breaks(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))  # as if installed
+    monkeypatch.setattr(llama, "importlib", types.SimpleNamespace(  # and gguf, transformers, torch, tokenizers
+        util=types.SimpleNamespace(find_spec=lambda name: True)))
     granite, falcon = hybrid_models.SHAPES
     assert llama.hybrid_unavailable(None, granite) == llama.unavailable(None)
     converter = tmp_path / "convert_hf_to_gguf.py"
