@@ -1,6 +1,6 @@
 """NumPy's attention over many queries (a prefill's), blocked: the ``attend`` fast op of
 :func:`portable_ssm.blocks.attention.attend`; and ``write_slots``, a prompt's keys and values put
-into the cache by assignment (the reference spreads them with a matrix product over every slot).
+into the cache by assignment (the reference gathers each slot's token with one take per row).
 
 The reference builds every score ``[b, kv, rep, l, m]`` at once and passes over it half a dozen
 times (mask, max, exp, sum, divide, product): for a 2048-token prompt with 12 heads that is

@@ -6,7 +6,7 @@ few dozen NumPy calls a layer and rewrites every KV cache per token.
 
 - :func:`plan`: a model's arrays checked and gathered into the library's tables, ValueError naming
   the first array or setting the kernel does not compute (MoE and Zamba2's shared blocks,
-  mamba_ssm's attention conv and inner MLP, norm-before-gate Mamba, GELU MLPs: the reference runs);
+  mamba_ssm's attention conv and inner MLP, a Mamba gated MLP, GELU MLPs: the reference runs);
 - :func:`decode_hybrid_hook`: the backend's ``decode_hybrid`` fast op (``HybridLM.step``).
 
 KV caches are written in place: the new token's key and value land in the slot the state's
