@@ -47,12 +47,6 @@ struct BlockView {
   float multiplier;
 };
 
-// v[i] += bias[i] for i in [begin, end) (bias null: nothing).
-inline void add_bias(float* v, const float* bias, int64_t begin, int64_t end) {
-  if (bias == nullptr) return;
-  for (int64_t i = begin; i < end; ++i) v[i] += bias[i];
-}
-
 // RoPE (transformers' rotate_half) on the first r channels of one head v [hd], in place, with
 // cos/sin [r/2] (the frequencies repeat in the second half).
 inline void rope_head(float* v, const float* cos, const float* sin, int64_t r) {
@@ -113,16 +107,11 @@ inline void attend_group(const float* q, int64_t c, const float* keys, const flo
 // fresh [2·kv·hd] (the new key and value), heads [h·hd]; the thread's own: scores [rep·m], rope [r].
 // The new key and value are written into the cache at A.slot before any thread attends.
 inline void attention_share(const AttnView& A, const float* normed, float* q, float* fresh, float* heads,
-                            float* scores, float* rope, float* out, int64_t t, int64_t team) {
-  const int64_t hd = A.hd, rep = A.heads / A.kv, kw = A.kv * hd;
-  const auto products = [&](const RowWeight& w, const float* bias, float* y) {
-    const auto [r0, r1] = share(w.out, t, team, 8);
-    row_share(w, normed, y, r0, r1);
-    add_bias(y, bias, r0, r1);
-  };
-  products(A.q, A.q_bias, q);
-  products(A.k, A.k_bias, fresh);
-  products(A.v, A.v_bias, fresh + kw);
+                            float* scores, float* rope, float* out, Team& team) {
+  const int64_t hd = A.hd, rep = A.heads / A.kv, kw = A.kv * hd, t = team.t;
+  team.products(A.q, normed, q, A.q_bias);
+  team.products(A.k, normed, fresh, A.k_bias);
+  team.products(A.v, normed, fresh + kw, A.v_bias);
   const int64_t half = A.rotary / 2;
   for (int64_t i = 0; i < half; ++i) {  // transformers' rope tables in float32: inv_freq = theta^(-2i/r)
     const float inv_freq = 1.f / std::pow(A.theta, static_cast<float>(2 * i) / static_cast<float>(A.rotary));
@@ -130,15 +119,15 @@ inline void attention_share(const AttnView& A, const float* normed, float* q, fl
     rope[i] = std::cos(angle), rope[half + i] = std::sin(angle);
   }
 #pragma omp barrier
-  const auto [k0, k1] = share(A.kv, t, team, 1);
+  const auto [k0, k1] = share(A.kv, t, team.size, 1);
   for (int64_t kh = k0; kh < k1; ++kh) {
     float* key = fresh + kh * hd;
     if (half) rope_head(key, rope, rope + half, A.rotary);
     std::copy(key, key + hd, A.keys + (kh * A.m + A.slot) * hd);
     std::copy(fresh + kw + kh * hd, fresh + kw + (kh + 1) * hd, A.values + (kh * A.m + A.slot) * hd);
   }
-  const int64_t parts = std::min(rep, std::max<int64_t>(1, (team + A.kv - 1) / A.kv));  // items per KV head
-  const auto [i0, i1] = share(A.kv * parts, t, team, 1);
+  const int64_t parts = std::min(rep, std::max<int64_t>(1, (team.size + A.kv - 1) / A.kv));  // items per KV head
+  const auto [i0, i1] = share(A.kv * parts, t, team.size, 1);
   for (int64_t item = i0; item < i1; ++item) {  // this thread's query heads rope'd before the barrier
     const int64_t kh = item / parts, part = item % parts;
     for (int64_t j = kh * rep + rep * part / parts; j < kh * rep + rep * (part + 1) / parts; ++j) {
@@ -153,19 +142,15 @@ inline void attention_share(const AttnView& A, const float* normed, float* q, fl
                  A.scale, scores, heads + j0 * hd);
   }
 #pragma omp barrier
-  const auto [o0, o1] = share(A.o.out, t, team, 8);
-  row_share(A.o, heads, out, o0, o1);
-  add_bias(out, A.o_bias, o0, o1);
+  team.products(A.o, heads, out, A.o_bias);
 }
 
 // One MLP of a batch-1 step on thread t of `team`: normed [d] -> out [d] (down's rows shared;
 // complete after the caller's next barrier). Shared scratch: up [2f or f], act [f].
-inline void mlp_share(const MlpView& M, const float* normed, float* up, float* act, float* out, int64_t t,
-                      int64_t team) {
-  const auto [r0, r1] = share(M.up.out, t, team, 8);
-  row_share(M.up, normed, up, r0, r1);
+inline void mlp_share(const MlpView& M, const float* normed, float* up, float* act, float* out, Team& team) {
+  team.products(M.up, normed, up);
 #pragma omp barrier
-  const auto [a0, a1] = share(M.f, t, team, 8);
+  const auto [a0, a1] = share(M.f, team.t, team.size, 8);
   const float* lin = M.gated ? up + M.f : nullptr;  // gated: act(gate)·up, gate the first half
   if (M.act == 0) {
     std::copy(up + a0, up + a1, act + a0);
@@ -177,8 +162,7 @@ inline void mlp_share(const MlpView& M, const float* normed, float* up, float* a
     for (int64_t i = a0; i < a1; ++i) act[i] *= lin[i];
   }
 #pragma omp barrier
-  const auto [o0, o1] = share(M.down.out, t, team, 8);
-  row_share(M.down, act, out, o0, o1);
+  team.products(M.down, act, out);
 }
 
 // Sizes of the scratch a hybrid step's blocks need at most.
@@ -206,9 +190,14 @@ inline void decode_hybrid_run(const float* x0, int64_t d, const BlockView* block
   }
   std::vector<float> zxbcdt(w.mamba.widest), act(w.mamba.inner), y(w.mamba.inner), hidden(d), second(d), q(w.q),
       fresh(w.fresh), heads(w.q), up(w.up), mlp_act(w.f);
+  int64_t products = 1;  // the head's
+  for (int64_t b = 0; b < count; ++b) {
+    products += 2 * (blocks[b].mamba != nullptr) + 4 * (blocks[b].attn != nullptr) + 2 * (blocks[b].mlp != nullptr);
+  }
+  std::vector<Span> spans(products * threads);
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    Team team(spans.data(), omp_get_thread_num(), omp_get_num_threads());
     std::vector<float> residual(x0, x0 + d), normed(d), gated(w.mamba.inner), bc(w.mamba.bc), spare(w.mamba.window),
         scores(w.scores), rope(w.rope);
     for (int64_t b = 0; b < count; ++b) {
@@ -216,13 +205,13 @@ inline void decode_hybrid_run(const float* x0, int64_t d, const BlockView* block
       norm_rows(residual.data(), d, nullptr, 0, B.norm, normed.data(), d, d, eps, 0, 1);
       if (B.mamba != nullptr) {
         mamba_share(*B.mamba, normed.data(), zxbcdt.data(), act.data(), y.data(), gated.data(), bc.data(),
-                    spare.data(), hidden.data(), mamba_eps, lo, hi, g, p, t, team);
+                    spare.data(), hidden.data(), mamba_eps, lo, hi, g, p, team);
       }
       if (B.attn != nullptr) {
         attention_share(*B.attn, normed.data(), q.data(), fresh.data(), heads.data(), scores.data(), rope.data(),
-                        B.mamba != nullptr ? second.data() : hidden.data(), t, team);
+                        B.mamba != nullptr ? second.data() : hidden.data(), team);
       }
-      if (B.mlp != nullptr) mlp_share(*B.mlp, normed.data(), up.data(), mlp_act.data(), hidden.data(), t, team);
+      if (B.mlp != nullptr) mlp_share(*B.mlp, normed.data(), up.data(), mlp_act.data(), hidden.data(), team);
 #pragma omp barrier
       const float m = B.multiplier;
       if (B.mamba != nullptr && B.attn != nullptr) {
@@ -232,8 +221,7 @@ inline void decode_hybrid_run(const float* x0, int64_t d, const BlockView* block
       }
     }
     norm_rows(residual.data(), d, nullptr, 0, final_norm, normed.data(), d, d, eps, 0, 1);
-    const auto [v0, v1] = share(lm_head.out, t, team, 8);
-    row_share(lm_head, normed.data(), out, v0, v1);
+    team.products(lm_head, normed.data(), out);
   }
 }
 

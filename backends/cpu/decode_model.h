@@ -9,6 +9,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <utility>
@@ -144,6 +145,69 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t threa
   return {bound(t), bound(t + 1)};
 }
 
+// The rows of a product a thread takes at a time from a shared product (a multiple of 8, so every
+// row goes through the same kernel, dot_rows<8> or the tail's, as under a static split).
+constexpr int64_t kChunkRows = 16;
+
+// One thread's share of one product's chunks not yet taken: [front, back) packed in one word with
+// kMade set by the thread that first touches it (0: not made yet), alone in its cache line.
+struct alignas(64) Span {
+  std::atomic<uint64_t> word{0};
+};
+constexpr uint64_t kMade = uint64_t{1} << 63;
+constexpr uint64_t kChunkMask = (uint64_t{1} << 31) - 1;
+
+// Thread t of a team of `size`, inside its parallel region, taking its part of the products every
+// thread of the team asks for in the same order (spans: `size` per product). Each thread starts on
+// its static share of a product's rows, one stream through the weight from its front; a thread
+// whose share is done takes chunks from the backs of the others' shares, so where one thread falls
+// behind (a slower stream, its core taken away for a while) the others finish its rows instead of
+// waiting for it at the next barrier.
+class Team {
+ public:
+  Team(Span* spans, int64_t t, int64_t size) : t(t), size(size), next_(spans) {}
+
+  // y[r] = (w[r]·x)·scale[r] + bias[r] (bias null: none) for the rows of w this thread takes;
+  // every row is written after the team's next barrier.
+  void products(const RowWeight& w, const float* x, float* y, const float* bias = nullptr) {
+    const int64_t chunks = (w.out + kChunkRows - 1) / kChunkRows;
+    Span* spans = next_;
+    next_ += size;
+    const auto run = [&](int64_t c) {
+      const int64_t r0 = c * kChunkRows, r1 = std::min(w.out, r0 + kChunkRows);
+      row_share(w, x, y, r0, r1);
+      if (bias != nullptr) {
+        for (int64_t r = r0; r < r1; ++r) y[r] += bias[r];
+      }
+    };
+    for (int64_t c; (c = take(spans[t], chunks, t, true)) >= 0;) run(c);
+    for (int64_t i = 1; i < size; ++i) {
+      const int64_t other = (t + i) % size;
+      for (int64_t c; (c = take(spans[other], chunks, other, false)) >= 0;) run(c);
+    }
+  }
+
+  const int64_t t, size;
+
+ private:
+  // The next chunk of owner's share of `chunks`, from its front or back; -1 when none is left.
+  int64_t take(Span& span, int64_t chunks, int64_t owner, bool front) const {
+    uint64_t word = span.word.load();
+    if (word == 0) {
+      const auto [f, b] = share(chunks, owner, size, 1);
+      const uint64_t made = kMade | static_cast<uint64_t>(f) | static_cast<uint64_t>(b) << 32;
+      if (span.word.compare_exchange_strong(word, made)) word = made;
+    }
+    while (true) {
+      const int64_t f = static_cast<int64_t>(word & kChunkMask), b = static_cast<int64_t>(word >> 32 & kChunkMask);
+      if (f >= b) return -1;
+      if (span.word.compare_exchange_weak(word, front ? word + 1 : word - (uint64_t{1} << 32))) return front ? f : b - 1;
+    }
+  }
+
+  Span* next_;  // the spans of this thread's next product
+};
+
 // One Mamba-2 mixer of a batch-1 step on thread t of a team of `team`, inside its parallel region:
 // normed [d] (the block's input, every thread the same floats) -> out [d] (out_proj's output, each
 // thread writing its share of the rows; complete after the caller's next barrier). Shared scratch:
@@ -156,15 +220,14 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int64_t t, int64_t threa
 // out_proj (mamba_ssm's rmsnorm=False); L.norm_before_gate: rmsnorm(y)·silu(z).
 inline void mamba_share(const LayerView& L, const float* normed, float* zxbcdt, float* act, float* y, float* gated,
                         float* bc, float* spare, float* out, double eps, float lo, float hi, int64_t g, int64_t p,
-                        int64_t t, int64_t team) {
-  const int64_t d_inner = L.h * p, k = L.k, n = L.n;
-  const auto [r0, r1] = share(L.in.out, t, team, 8);
-  row_share(L.in, normed, zxbcdt, r0, r1);
+                        Team& team) {
+  const int64_t d_inner = L.h * p, k = L.k, n = L.n, t = team.t;
+  team.products(L.in, normed, zxbcdt);
 #pragma omp barrier
   const float* xBC = zxbcdt + d_inner;  // [x (d_inner), B (g·n), C (g·n)]
   conv_step(L.conv_state + d_inner * k, xBC + d_inner, L.conv_w + d_inner * k,
             L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, spare, bc, k, 2 * g * n);
-  const auto [h0, h1] = share(L.h, t, team, 1);
+  const auto [h0, h1] = share(L.h, t, team.size, 1);
   conv_step(L.conv_state + h0 * p * k, xBC + h0 * p, L.conv_w + h0 * p * k,
             L.conv_b == nullptr ? nullptr : L.conv_b + h0 * p, L.new_conv + h0 * p * k, act + h0 * p, k,
             (h1 - h0) * p);
@@ -180,8 +243,7 @@ inline void mamba_share(const LayerView& L, const float* normed, float* zxbcdt, 
   if (t == 0) std::copy(spare, spare + 2 * g * n * k, L.new_conv + d_inner * k);  // read by none now
   if (L.gate_norm != nullptr) norm_rows(y, d_inner, nullptr, 0, L.gate_norm, gated, d_inner, d_inner / g, eps, 0, 1);
   if (L.norm_before_gate) gate_pass(gated, zxbcdt, d_inner);
-  const auto [o0, o1] = share(L.out.out, t, team, 8);
-  row_share(L.out, L.gate_norm != nullptr ? gated : y, out, o0, o1);
+  team.products(L.out, L.gate_norm != nullptr ? gated : y, out);
 }
 
 // The largest in_proj output (at least min_width), d_inner, B and C, and conv window of `views`.
@@ -212,9 +274,10 @@ inline void decode_model_run(const float* x0, int64_t d, const LayerView* views,
                              float hi, int64_t g, int64_t p, int threads) {
   const MambaWidths w = mamba_widths(views, layers, d, g, p);
   std::vector<float> zxbcdt(w.widest), act(w.inner), y(w.inner), hidden(d);
+  std::vector<Span> spans((2 * layers + 1) * threads);
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t team = omp_get_num_threads(), t = omp_get_thread_num();
+    Team team(spans.data(), omp_get_thread_num(), omp_get_num_threads());
     std::vector<float> residual(x0, x0 + d), normed(d), gated(w.inner), bc(w.bc), spare(w.window);
     for (int64_t i = 0; i < layers; ++i) {
       if (i > 0) {
@@ -222,15 +285,14 @@ inline void decode_model_run(const float* x0, int64_t d, const LayerView* views,
       }
       norm_rows(residual.data(), d, nullptr, 0, views[i].norm, normed.data(), d, d, eps, 0, 1);
       mamba_share(views[i], normed.data(), zxbcdt.data(), act.data(), y.data(), gated.data(), bc.data(),
-                  spare.data(), hidden.data(), eps, lo, hi, g, p, t, team);
+                  spare.data(), hidden.data(), eps, lo, hi, g, p, team);
 #pragma omp barrier
     }
     if (layers > 0) {
       for (int64_t c = 0; c < d; ++c) residual[c] += hidden[c];
     }
     norm_rows(residual.data(), d, nullptr, 0, final_norm, normed.data(), d, d, eps, 0, 1);
-    const auto [v0, v1] = share(lm_head.out, t, team, 8);
-    row_share(lm_head, normed.data(), out, v0, v1);
+    team.products(lm_head, normed.data(), out);
   }
 }
 
