@@ -40,6 +40,14 @@ inline void row_share(const RowWeight& w, const float* x, float* y, int64_t begi
   }
 }
 
+// Rows [first, first + count) of w as a weight (of a stack [E·out, in] of experts' weights: expert
+// e's at first = e·out).
+inline RowWeight rows_of(const RowWeight& w, int64_t first, int64_t count) {
+  const int64_t bytes = w.kind == kWeightF32 ? 4 : w.kind == kWeightI8 ? 1 : 2;  // per element
+  return {static_cast<const char*>(w.data) + first * w.in * bytes, w.kind,
+          w.scale == nullptr ? nullptr : w.scale + first, count, w.in};
+}
+
 // v[i] = silu(v[i]), in place.
 inline void silu_pass(float* v, int64_t count) {
   int64_t i = 0;
@@ -170,21 +178,25 @@ class Team {
   // y[r] = (w[r]·x)·scale[r] + bias[r] (bias null: none) for the rows of w this thread takes;
   // every row is written after the team's next barrier.
   void products(const RowWeight& w, const float* x, float* y, const float* bias = nullptr) {
-    const int64_t chunks = (w.out + kChunkRows - 1) / kChunkRows;
-    Span* spans = next_;
-    next_ += size;
-    const auto run = [&](int64_t c) {
-      const int64_t r0 = c * kChunkRows, r1 = std::min(w.out, r0 + kChunkRows);
+    rows(w.out, [&](int64_t r0, int64_t r1) {
       row_share(w, x, y, r0, r1);
       if (bias != nullptr) {
         for (int64_t r = r0; r < r1; ++r) y[r] += bias[r];
       }
-    };
-    for (int64_t c; (c = take(spans[t], chunks, t, true)) >= 0;) run(c);
-    for (int64_t i = 1; i < size; ++i) {
-      const int64_t other = (t + i) % size;
-      for (int64_t c; (c = take(spans[other], chunks, other, false)) >= 0;) run(c);
-    }
+    });
+  }
+
+  // y[r] = Σ_i c[i]·(w[i][r]·x[i]) (each product times its row scales), summed in the order of i,
+  // for `count` weights of one height (w[i].out) and their inputs x[i] [w[i].in], as one product:
+  // the rows this thread takes, every row written after the team's next barrier.
+  void weighted_sum(const RowWeight* w, const float* const* x, const float* c, int64_t count, float* y) {
+    rows(w[0].out, [&](int64_t r0, int64_t r1) {
+      float part[kChunkRows];
+      for (int64_t i = 0; i < count; ++i) {
+        row_share(rows_of(w[i], r0, r1 - r0), x[i], part, 0, r1 - r0);
+        for (int64_t r = r0; r < r1; ++r) y[r] = i == 0 ? c[i] * part[r - r0] : y[r] + c[i] * part[r - r0];
+      }
+    });
   }
 
   const int64_t t, size;
@@ -202,6 +214,21 @@ class Team {
       const int64_t f = static_cast<int64_t>(word & kChunkMask), b = static_cast<int64_t>(word >> 32 & kChunkMask);
       if (f >= b) return -1;
       if (span.word.compare_exchange_weak(word, front ? word + 1 : word - (uint64_t{1} << 32))) return front ? f : b - 1;
+    }
+  }
+
+  // run(r0, r1) for the chunks of a product of `height` rows this thread takes (its spans the next
+  // `size`): its own share's from the front, then the others' from their backs.
+  template <typename Run>
+  void rows(int64_t height, const Run& run) {
+    const int64_t chunks = (height + kChunkRows - 1) / kChunkRows;
+    Span* spans = next_;
+    next_ += size;
+    const auto chunk = [&](int64_t c) { run(c * kChunkRows, std::min(height, (c + 1) * kChunkRows)); };
+    for (int64_t c; (c = take(spans[t], chunks, t, true)) >= 0;) chunk(c);
+    for (int64_t i = 1; i < size; ++i) {
+      const int64_t other = (t + i) % size;
+      for (int64_t c; (c = take(spans[other], chunks, other, false)) >= 0;) chunk(c);
     }
   }
 
