@@ -146,17 +146,17 @@ def test_a_state_stepped_twice_branches_without_changing_any_returned_state():
     assert all(x.k is not y.k for x, y in zip(a.kv, b.kv))
 
 
-def _moe_config() -> HybridConfig:
+def _gelu_experts() -> HybridConfig:
     c = CONFIGS["granite"]
     return HybridConfig(d_model=c.d_model, vocab_size=c.vocab_size, layers=(("mamba", "moe"), ("attention", "mlp")),
-                        mamba=c.mamba, attention=c.attention, mlp=c.mlp, moe=MoESpec(4, 2, "softmax", c.mlp), d_ff=20,
-                        d_expert=12, tie_embeddings=True)
+                        mamba=c.mamba, attention=c.attention, mlp=c.mlp,
+                        moe=MoESpec(4, 2, "softmax", MLPSpec("gelu", True)), d_ff=20, d_expert=12, tie_embeddings=True)
 
 
-@pytest.mark.parametrize("variant", ["moe", "attention conv", "gelu"])
+@pytest.mark.parametrize("variant", ["gelu experts", "attention conv", "gelu"])
 def test_variants_the_kernel_does_not_compute_run_the_reference(variant, monkeypatch):
     c = CONFIGS["granite"]
-    config = {"moe": _moe_config,
+    config = {"gelu experts": _gelu_experts,
               "attention conv": lambda: replace(c, attention=AttentionSpec(6, 2, 8, 0.3, conv=3)),
               "gelu": lambda: replace(c, mlp=MLPSpec("gelu", True))}[variant]()
     params = _params(config)

@@ -1,9 +1,9 @@
 // The hybrid stack's batch-1 decode step in plain pointers (portable_ssm.stack.run_layers for one
 // token): a list of residual blocks, each a Mamba-2 mixer, an attention layer, both on one input
-// (Falcon-H1's parallel mixer) or an MLP, behind its RMSNorm and residual multiplier, then norm_f
-// and the head, in one OpenMP parallel region as decode_model_run runs the pure model. NumPy's
-// library exports it as portable_ssm_decode_hybrid (numpy_kernels.cpp), its arrays checked in
-// backends/numpy/hybrid.py.
+// (Falcon-H1's parallel mixer), an MLP or a mixture of experts, behind its RMSNorm and residual
+// multiplier, then norm_f and the head, in one OpenMP parallel region as decode_model_run runs the
+// pure model. NumPy's library exports it as portable_ssm_decode_hybrid (numpy_kernels.cpp), its
+// arrays checked in backends/numpy/hybrid.py.
 #pragma once
 
 #include <omp.h>
@@ -38,12 +38,28 @@ struct MlpView {
   bool gated;
 };
 
+// A mixture of experts (portable_ssm.blocks.moe): router [E, d] (float32) and the choice's bias
+// [E] (or null); experts: expert 0's MLP, each other expert e's weights after it in the stacks (its
+// up rows at e·up.out, its down rows at e·down.out, an int8 stack's row scales alike); the top k of
+// the E chosen and weighed by softmax over their logits, or by their sigmoids (normalized to sum
+// one where `normalize`), times scale; shared: the shared expert's MLP on the same input, or null.
+struct MoeView {
+  RowWeight router;
+  const float* bias;
+  MlpView experts;
+  const MlpView* shared;
+  int64_t k;
+  bool sigmoid, normalize;
+  float scale;
+};
+
 // A residual block: norm [d], then the parts it has (null: not), their outputs summed, times multiplier.
 struct BlockView {
   const float* norm;
   const LayerView* mamba;
   const AttnView* attn;
   const MlpView* mlp;
+  const MoeView* moe;
   float multiplier;
 };
 
@@ -145,11 +161,9 @@ inline void attention_share(const AttnView& A, const float* normed, float* q, fl
   team.products(A.o, heads, out, A.o_bias);
 }
 
-// One MLP of a batch-1 step on thread t of `team`: normed [d] -> out [d] (down's rows shared;
-// complete after the caller's next barrier). Shared scratch: up [2f or f], act [f].
-inline void mlp_share(const MlpView& M, const float* normed, float* up, float* act, float* out, Team& team) {
-  team.products(M.up, normed, up);
-#pragma omp barrier
+// Thread t's share of an MLP's activation: act [f] = act(gate)·up (gated: up [2f] = [gate; up]) or
+// act(up) (up [f]) for the hidden units of its share; every unit written after the team's next barrier.
+inline void activate_share(const MlpView& M, const float* up, float* act, const Team& team) {
   const auto [a0, a1] = share(M.f, team.t, team.size, 8);
   const float* lin = M.gated ? up + M.f : nullptr;  // gated: act(gate)·up, gate the first half
   if (M.act == 0) {
@@ -161,14 +175,87 @@ inline void mlp_share(const MlpView& M, const float* normed, float* up, float* a
   if (lin != nullptr) {
     for (int64_t i = a0; i < a1; ++i) act[i] *= lin[i];
   }
+}
+
+// One MLP of a batch-1 step on thread t of `team`: normed [d] -> out [d] (down's rows shared;
+// complete after the caller's next barrier). Shared scratch: up [2f or f], act [f].
+inline void mlp_share(const MlpView& M, const float* normed, float* up, float* act, float* out, Team& team) {
+  team.products(M.up, normed, up);
+#pragma omp barrier
+  activate_share(M, up, act, team);
 #pragma omp barrier
   team.products(M.down, act, out);
+}
+
+// A thread's own scratch for MoE blocks of at most E experts choosing k: choice [E], picks [k],
+// and per down product (the k chosen experts' and the shared expert's) its weight, view and input.
+struct MoeScratch {
+  std::vector<float> choice, weights;
+  std::vector<int64_t> picks;
+  std::vector<RowWeight> downs;
+  std::vector<const float*> inputs;
+  MoeScratch(int64_t E, int64_t k) : choice(E), weights(k + 1), picks(k), downs(k + 1), inputs(k + 1) {}
+};
+
+// The k experts M chooses from the router's logits [E] into picks [k] and their weights [k], as
+// portable_ssm.blocks.moe.route chooses them: scores (the logits, or their sigmoids), k rounds of
+// argmax over the scores plus the bias (ties to the lowest index, a NaN first, as NumPy's argmax),
+// the chosen scores softmaxed (sigmoid: normalized where M.normalize), times M.scale. choice: scratch [E].
+inline void route(const MoeView& M, const float* logits, float* choice, int64_t* picks, float* weights) {
+  const int64_t E = M.router.out;
+  const auto score = [&](int64_t e) { return M.sigmoid ? 1.f / (1.f + std::exp(-logits[e])) : logits[e]; };
+  for (int64_t e = 0; e < E; ++e) choice[e] = M.bias == nullptr ? score(e) : score(e) + M.bias[e];
+  for (int64_t j = 0; j < M.k; ++j) {
+    int64_t best = 0;
+    for (int64_t e = 1; e < E; ++e) {
+      if (choice[e] > choice[best] || (std::isnan(choice[e]) && !std::isnan(choice[best]))) best = e;
+    }
+    picks[j] = best, weights[j] = score(best);
+    choice[best] = -INFINITY;
+  }
+  float top = -INFINITY, total = 0.f;  // softmax: exp(w - top) / Σ; sigmoid: w / (Σ + 1e-20) or w
+  for (int64_t j = 0; j < M.k; ++j) top = std::max(top, weights[j]);
+  for (int64_t j = 0; j < M.k; ++j) {
+    if (!M.sigmoid) weights[j] = std::exp(weights[j] - top);
+    total += weights[j];
+  }
+  for (int64_t j = 0; j < M.k; ++j) {
+    const float w = !M.sigmoid ? weights[j] / total : M.normalize ? weights[j] / (total + 1e-20f) : weights[j];
+    weights[j] = w * M.scale;
+  }
+}
+
+// One MoE block of a batch-1 step on thread t of `team`: normed [d] -> out [d] (the downs' weighted
+// sum's rows shared; complete after the caller's next barrier), reading the chosen experts' weights
+// only. Shared scratch: logits [E], up [k·up.out + the shared expert's up.out] and act [k·f + its
+// f] (each chosen expert's rows in turn, the shared expert's last); the thread's own: own. The
+// router's product (with the shared expert's up), then every thread routes for itself (the same
+// floats) and the k ups go back to back before one barrier; the activations are shared out as
+// mlp_share's, and the k downs (with the shared expert's) summed in one product.
+inline void moe_share(const MoeView& M, const float* normed, float* logits, float* up, float* act, float* out,
+                      MoeScratch& own, Team& team) {
+  const MlpView& X = M.experts;
+  const int64_t k = M.k, width = X.up.out, f = X.f;
+  team.products(M.router, normed, logits);
+  if (M.shared != nullptr) team.products(M.shared->up, normed, up + k * width);
+#pragma omp barrier
+  route(M, logits, own.choice.data(), own.picks.data(), own.weights.data());
+  for (int64_t j = 0; j < k; ++j) team.products(rows_of(X.up, own.picks[j] * width, width), normed, up + j * width);
+#pragma omp barrier
+  for (int64_t j = 0; j < k; ++j) activate_share(X, up + j * width, act + j * f, team);
+  if (M.shared != nullptr) activate_share(*M.shared, up + k * width, act + k * f, team);
+#pragma omp barrier
+  for (int64_t j = 0; j < k; ++j) {
+    own.downs[j] = rows_of(X.down, own.picks[j] * X.down.out, X.down.out), own.inputs[j] = act + j * f;
+  }
+  if (M.shared != nullptr) own.downs[k] = M.shared->down, own.inputs[k] = act + k * f, own.weights[k] = 1.f;
+  team.weighted_sum(own.downs.data(), own.inputs.data(), own.weights.data(), k + (M.shared != nullptr), out);
 }
 
 // Sizes of the scratch a hybrid step's blocks need at most.
 struct HybridWidths {
   MambaWidths mamba;
-  int64_t q, fresh, scores, rope, up, f;
+  int64_t q, fresh, scores, rope, up, f, experts, k;
 };
 
 // One token through the hybrid stack at batch 1 from the embedded token x0 [d]: the blocks (their
@@ -180,26 +267,32 @@ inline void decode_hybrid_run(const float* x0, int64_t d, const BlockView* block
                               const LayerView* mambas, int64_t n_mamba, const float* final_norm,
                               const RowWeight& lm_head, float* out, double eps, double mamba_eps, float lo, float hi,
                               int64_t g, int64_t p, int threads) {
-  HybridWidths w{mamba_widths(mambas, n_mamba, d, g, p), 0, 0, 0, 0, 0, 0};
+  HybridWidths w{mamba_widths(mambas, n_mamba, d, g, p), 0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t products = 1;  // the head's
   for (int64_t b = 0; b < count; ++b) {
     if (const AttnView* A = blocks[b].attn) {
       w.q = std::max(w.q, A->heads * A->hd), w.fresh = std::max(w.fresh, 2 * A->kv * A->hd);
       w.scores = std::max(w.scores, A->heads / A->kv * A->m), w.rope = std::max(w.rope, A->rotary);
     }
     if (const MlpView* M = blocks[b].mlp) w.up = std::max(w.up, M->up.out), w.f = std::max(w.f, M->f);
-  }
-  std::vector<float> zxbcdt(w.mamba.widest), act(w.mamba.inner), y(w.mamba.inner), hidden(d), second(d), q(w.q),
-      fresh(w.fresh), heads(w.q), up(w.up), mlp_act(w.f);
-  int64_t products = 1;  // the head's
-  for (int64_t b = 0; b < count; ++b) {
+    if (const MoeView* M = blocks[b].moe) {
+      const MlpView* S = M->shared;
+      w.up = std::max(w.up, M->k * M->experts.up.out + (S != nullptr ? S->up.out : 0));
+      w.f = std::max(w.f, M->k * M->experts.f + (S != nullptr ? S->f : 0));
+      w.experts = std::max(w.experts, M->router.out), w.k = std::max(w.k, M->k);
+      products += 2 + M->k + (S != nullptr);  // router, ups, the downs' sum, the shared expert's up
+    }
     products += 2 * (blocks[b].mamba != nullptr) + 4 * (blocks[b].attn != nullptr) + 2 * (blocks[b].mlp != nullptr);
   }
+  std::vector<float> zxbcdt(w.mamba.widest), act(w.mamba.inner), y(w.mamba.inner), hidden(d), second(d), q(w.q),
+      fresh(w.fresh), heads(w.q), up(w.up), mlp_act(w.f), logits(w.experts);
   std::vector<Span> spans(products * threads);
 #pragma omp parallel num_threads(threads)
   {
     Team team(spans.data(), omp_get_thread_num(), omp_get_num_threads());
     std::vector<float> residual(x0, x0 + d), normed(d), gated(w.mamba.inner), bc(w.mamba.bc), spare(w.mamba.window),
         scores(w.scores), rope(w.rope);
+    MoeScratch own(w.experts, w.k);
     for (int64_t b = 0; b < count; ++b) {
       const BlockView& B = blocks[b];
       norm_rows(residual.data(), d, nullptr, 0, B.norm, normed.data(), d, d, eps, 0, 1);
@@ -212,6 +305,9 @@ inline void decode_hybrid_run(const float* x0, int64_t d, const BlockView* block
                         B.mamba != nullptr ? second.data() : hidden.data(), team);
       }
       if (B.mlp != nullptr) mlp_share(*B.mlp, normed.data(), up.data(), mlp_act.data(), hidden.data(), team);
+      if (B.moe != nullptr) {
+        moe_share(*B.moe, normed.data(), logits.data(), up.data(), mlp_act.data(), hidden.data(), own, team);
+      }
 #pragma omp barrier
       const float m = B.multiplier;
       if (B.mamba != nullptr && B.attn != nullptr) {

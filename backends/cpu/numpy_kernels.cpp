@@ -165,18 +165,21 @@ void portable_ssm_decode_rows(const int64_t* sizes, void* const* pointers, float
 }
 
 // The hybrid stack's batch-1 decode step (decode_hybrid_run), its arrays checked by the caller
-// (backends/numpy/hybrid.py). sizes = {blocks, n_mamba, n_attn, n_mlp, d, g, p, head_out, head_kind},
-// then per Mamba layer portable_ssm_decode_model's 8, per attention layer {heads, kv, hd, m, slot,
-// rotary, position, q_kind, k_kind, v_kind, o_kind}, per MLP {f, act, gated, up_kind, down_kind},
-// per block {mamba, attention, mlp} (indices, -1: none); pointers = {x [d], norm_f [d], head,
-// head_scale, logits [head_out]}, then per Mamba layer portable_ssm_decode_model's 15, per attention
-// layer {q, q_scale, q_bias, k, k_scale, k_bias, v, v_scale, v_bias, o, o_scale, o_bias, keys,
-// values, valid (bytes)}, per MLP {up, up_scale, down, down_scale}, per block {norm}; reals = {eps,
-// mamba_eps, low, high}, then per attention layer {scale, theta}, per block {multiplier}.
+// (backends/numpy/hybrid.py). sizes = {blocks, n_mamba, n_attn, n_mlp, n_moe, d, g, p, head_out,
+// head_kind}, then per Mamba layer portable_ssm_decode_model's 8, per attention layer {heads, kv, hd,
+// m, slot, rotary, position, q_kind, k_kind, v_kind, o_kind}, per MLP {f, act, gated, up_kind,
+// down_kind}, per MoE {experts, k, sigmoid, normalize, experts' MLP, shared expert's MLP (-1:
+// none)}, per block {mamba, attention, mlp, moe} (indices, -1: none); pointers = {x [d], norm_f [d],
+// head, head_scale, logits [head_out]}, then per Mamba layer portable_ssm_decode_model's 15, per
+// attention layer {q, q_scale, q_bias, k, k_scale, k_bias, v, v_scale, v_bias, o, o_scale, o_bias,
+// keys, values, valid (bytes)}, per MLP {up, up_scale, down, down_scale} (the experts' MLP: their
+// stacks [E, 2f or f, d] and [E, d, f], the scales [E, rows]), per MoE {router [E, d] (float32),
+// bias [E] (or null)}, per block {norm}; reals = {eps, mamba_eps, low, high}, then per attention
+// layer {scale, theta}, per block {multiplier}, per MoE {scale}.
 void portable_ssm_decode_hybrid(const int64_t* sizes, void* const* pointers, const double* reals, int64_t threads) {
-  const int64_t count = sizes[0], n_mamba = sizes[1], n_attn = sizes[2], n_mlp = sizes[3], d = sizes[4], g = sizes[5],
-                p = sizes[6];
-  const int64_t* s = sizes + 9;
+  const int64_t count = sizes[0], n_mamba = sizes[1], n_attn = sizes[2], n_mlp = sizes[3], n_moe = sizes[4],
+                d = sizes[5], g = sizes[6], p = sizes[7];
+  const int64_t* s = sizes + 10;
   void* const* ptr = pointers + 5;
   const std::vector<LayerView> mambas = layer_views(s, ptr, n_mamba, d, p);
   s += 8 * n_mamba, ptr += 15 * n_mamba;
@@ -199,13 +202,19 @@ void portable_ssm_decode_hybrid(const int64_t* sizes, void* const* pointers, con
     mlps[i] = {{ptr[0], s[3], f(ptr[1]), gated ? 2 * width : width, d}, {ptr[2], s[4], f(ptr[3]), d, width}, width,
                s[1], gated != 0};
   }
-  std::vector<BlockView> blocks(count);
+  std::vector<MoeView> moes(n_moe);
   const double* multipliers = reals + 4 + 2 * n_attn;
-  for (int64_t b = 0; b < count; ++b, s += 3, ++ptr) {
-    blocks[b] = {f(ptr[0]), s[0] < 0 ? nullptr : &mambas[s[0]], s[1] < 0 ? nullptr : &attns[s[1]],
-                 s[2] < 0 ? nullptr : &mlps[s[2]], static_cast<float>(multipliers[b])};
+  for (int64_t i = 0; i < n_moe; ++i, s += 6, ptr += 2) {
+    moes[i] = {{ptr[0], kWeightF32, nullptr, s[0], d}, f(ptr[1]), mlps[s[4]], s[5] < 0 ? nullptr : &mlps[s[5]], s[1],
+               s[2] != 0, s[3] != 0, static_cast<float>(multipliers[count + i])};
   }
-  const RowWeight lm_head{pointers[2], sizes[8], f(pointers[3]), sizes[7], d};
+  std::vector<BlockView> blocks(count);
+  for (int64_t b = 0; b < count; ++b, s += 4, ++ptr) {
+    blocks[b] = {f(ptr[0]), s[0] < 0 ? nullptr : &mambas[s[0]], s[1] < 0 ? nullptr : &attns[s[1]],
+                 s[2] < 0 ? nullptr : &mlps[s[2]], s[3] < 0 ? nullptr : &moes[s[3]],
+                 static_cast<float>(multipliers[b])};
+  }
+  const RowWeight lm_head{pointers[2], sizes[9], f(pointers[3]), sizes[8], d};
   decode_hybrid_run(f(pointers[0]), d, blocks.data(), count, mambas.data(), n_mamba, f(pointers[1]), lm_head,
                     f(pointers[4]), reals[0], reals[1], static_cast<float>(reals[2]), static_cast<float>(reals[3]), g, p,
                     static_cast<int>(threads));

@@ -69,8 +69,9 @@ def _float32(a: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return a
 
 
-def _weight(w: Any, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, int, np.ndarray | None]:
-    """``(data, kind, scale or None)`` of a float32, int8 or bfloat16-bits weight ``shape``."""
+def _weight(w: Any, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """``(data, kind, scale or None)`` of a float32, int8 or bfloat16-bits weight ``shape`` (``[out,
+    in]``, or a stack ``[E, out, in]`` of experts' with a scale per row of each: ``[E, out]``)."""
     data, scale = (w.data, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
     kind = WEIGHT_KINDS.get(getattr(data, "dtype", None))
     if kind is None or not _fits(data) or data.shape != shape:
@@ -78,7 +79,7 @@ def _weight(w: Any, name: str, shape: tuple[int, int]) -> tuple[np.ndarray, int,
         raise ValueError(f"decode_model: {name} must be a contiguous float32, int8 or bfloat16-bits (uint16) "
                          f"{list(shape)}, got {got}")
     if scale is not None:
-        _float32(scale, f"{name}'s scale", (shape[0],))
+        _float32(scale, f"{name}'s scale", shape[:-1])
     return data, kind, scale
 
 

@@ -1,11 +1,11 @@
 """NumPy's batch-1 decode step of the hybrid stack: one token through every block of a Granite-4.0-H,
-Bamba, Nemotron-H or Falcon-H1 model in one call of the compiled library
+Bamba, Nemotron-H or Falcon-H1 model (their MoE variants included) in one call of the compiled library
 (``portable_ssm_decode_hybrid``: ``decode_hybrid_run`` of ``backends/cpu/decode_hybrid.h``), one
 OpenMP parallel region, where the array-API step (:func:`portable_ssm.stack.run_layers`) makes a
 few dozen NumPy calls a layer and rewrites every KV cache per token.
 
 - :func:`plan`: a model's arrays checked and gathered into the library's tables, ValueError naming
-  the first array or setting the kernel does not compute (MoE and Zamba2's shared blocks,
+  the first array or setting the kernel does not compute (Zamba2's shared blocks,
   mamba_ssm's attention conv and inner MLP, a Mamba gated MLP, GELU MLPs: the reference runs);
 - :func:`decode_hybrid_hook`: the backend's ``decode_hybrid`` fast op (``HybridLM.step``).
 
@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 
 from portable_ssm.blocks.attention import KVCache
+from portable_ssm.blocks.mlp import MLPSpec
+from portable_ssm.blocks.moe import MoESpec
 from portable_ssm.stack import HybridConfig, HybridState
 
 from . import kernels
@@ -34,8 +36,8 @@ from .threads import workers
 
 #: The MLP activations the kernel computes, by its number.
 ACTIVATIONS = {"silu": 0, "relu2": 1}
-#: Entries of the tables: the header's sizes; per Mamba layer, attention layer, MLP and block.
-_HEADER, _MAMBA, _ATTN, _MLP, _BLOCK = 9, 8, 11, 5, 3
+#: Entries of the tables: the header's sizes; per Mamba layer, attention layer, MLP, MoE and block.
+_HEADER, _MAMBA, _ATTN, _MLP, _MOE, _BLOCK = 10, 8, 11, 5, 6, 4
 _HEAD_POINTERS, _MAMBA_POINTERS, _ATTN_POINTERS = 5, 15, 15
 #: Per-call entries: a Mamba layer's state pointers (conv, ssm, new conv, new ssm), an attention
 #: layer's cache pointers (keys, values, valid) and sizes (m, slot, position).
@@ -59,16 +61,16 @@ class HybridPlan:
     d_model: int
     vocab: int
     arrays: tuple[Any, ...]
-    weight_bytes: int = 0
+    weight_bytes: int = 0  # the weights a step reads (of a MoE block's experts, the k chosen)
 
 
 def _refuse(config: HybridConfig) -> None:
     """ValueError naming the first setting of ``config`` the kernel does not compute."""
     c = config
     for i, (mix, ffn) in enumerate(c.layers):
-        if mix == "shared" or ffn == "moe":
+        if mix == "shared":
             raise ValueError(f"decode_hybrid: layer {i} is ({mix!r}, {ffn!r}); the kernel runs mamba, attention, "
-                             "parallel and mlp blocks")
+                             "parallel, mlp and moe blocks")
     m = c.mamba
     if m is not None and m.d_mlp:
         raise ValueError(f"decode_hybrid: the Mamba layers must have no gated MLP, got d_mlp={m.d_mlp}")
@@ -76,8 +78,9 @@ def _refuse(config: HybridConfig) -> None:
     if a is not None and (a.conv or a.mlp):
         raise ValueError(f"decode_hybrid: attention with a conv or inner MLP runs the reference, got conv={a.conv}, "
                          f"mlp={a.mlp}")
-    if c.mlp is not None and c.mlp.act not in ACTIVATIONS:
-        raise ValueError(f"decode_hybrid: MLP activation must be one of {sorted(ACTIVATIONS)}, got {c.mlp.act!r}")
+    for name, spec in (("MLP", c.mlp), ("MoE experts'", None if c.moe is None else c.moe.mlp)):
+        if spec is not None and spec.act not in ACTIVATIONS:
+            raise ValueError(f"decode_hybrid: {name} activation must be one of {sorted(ACTIVATIONS)}, got {spec.act!r}")
 
 
 def _bias(params: dict[str, Any], name: str, width: int) -> np.ndarray | None:
@@ -99,13 +102,25 @@ def _attention_rows(params: dict[str, Any], prefix: str, config: HybridConfig) -
     return row, [a.n_heads, a.n_kv_heads, a.head_dim, 0, 0, a.rotary_dim, 0, *kinds, kind]
 
 
-def _mlp_rows(params: dict[str, Any], prefix: str, config: HybridConfig) -> tuple[list[Any], list[int]]:
-    """An MLP's 4 table entries and 5 sizes."""
-    f, d, spec = config.d_ff, config.d_model, config.mlp
+def _mlp_rows(params: dict[str, Any], prefix: str, f: int, spec: MLPSpec, d: int,
+              stack: tuple[int, ...] = ()) -> tuple[list[Any], list[int]]:
+    """An MLP's 4 table entries and 5 sizes (hidden width ``f``); ``stack = (E,)``: a MoE block's
+    experts, their weights stacks ``[E, 2f or f, d]`` and ``[E, d, f]``."""
     up, up_kind, up_scale = _weight(params.get(prefix + "up.weight"), prefix + "up.weight",
-                                    ((2 if spec.gated else 1) * f, d))
-    down, down_kind, down_scale = _weight(params.get(prefix + "down.weight"), prefix + "down.weight", (d, f))
+                                    (*stack, (2 if spec.gated else 1) * f, d))
+    down, down_kind, down_scale = _weight(params.get(prefix + "down.weight"), prefix + "down.weight",
+                                          (*stack, d, f))
     return [up, up_scale, down, down_scale], [f, ACTIVATIONS[spec.act], int(spec.gated), up_kind, down_kind]
+
+
+def _router_rows(params: dict[str, Any], prefix: str, spec: MoESpec, d: int, experts: int,
+                 shared: int) -> tuple[list[Any], list[int]]:
+    """A MoE block's 2 table entries (its float32 router ``[E, d]`` and choice bias ``[E]`` or None)
+    and 6 sizes, ``experts`` and ``shared`` its experts' and shared expert's MLP entries (-1: none)."""
+    e = spec.experts
+    router = _float32(params.get(prefix + "router.weight"), prefix + "router.weight", (e, d))
+    sizes = [e, spec.top_k, int(spec.router == "sigmoid"), int(spec.normalize), experts, shared]
+    return [router, _bias(params, prefix + "router.bias", e)], sizes
 
 
 def plan(params: dict[str, Any], config: HybridConfig) -> HybridPlan:
@@ -115,22 +130,23 @@ def plan(params: dict[str, Any], config: HybridConfig) -> HybridPlan:
     c, d = config, config.d_model
     m = c.mamba_step if c.mamba_step is not None else c.mamba
     g, p = (m.ngroups, m.headdim) if m is not None else (1, 1)
-    parts: dict[str, tuple[list[Any], list[int]]] = {"mamba": ([], []), "attn": ([], []), "mlp": ([], []),
-                                                     "block": ([], [])}
-    convs, ssms, multipliers, scales = [], [], [], []
+    widths = {"mamba": _MAMBA, "attn": _ATTN, "mlp": _MLP, "moe": _MOE, "block": _BLOCK}
+    parts: dict[str, tuple[list[Any], list[int]]] = {part: ([], []) for part in widths}
+    convs, ssms, multipliers, scales, moe_scales = [], [], [], [], []
+    unread = 0  # bytes of the experts a step does not choose
 
     def add(part: str, row: list[Any], sizes: list[int]) -> int:
         rows, all_sizes = parts[part]
         rows += row
         all_sizes += sizes
-        return len(all_sizes) // {"mamba": _MAMBA, "attn": _ATTN, "mlp": _MLP, "block": _BLOCK}[part] - 1
+        return len(all_sizes) // widths[part] - 1
 
     for i, (mix, ffn) in enumerate(c.layers):
         for kind, norm_name in ((mix, "mixer_norm"), (ffn, "ffn_norm")):
             if kind is None:
                 continue
             norm = _float32(params.get(f"layers.{i}.{norm_name}.weight"), f"layers.{i}.{norm_name}.weight", (d,))
-            at = [-1, -1, -1]
+            at = [-1, -1, -1, -1]  # the block's Mamba, attention, MLP and MoE entries
             if kind in ("mamba", "parallel"):
                 prefix = f"layers.{i}.mixer." + ("mamba." if kind == "parallel" else "")
                 row, sizes, conv, ssm = mamba_row(params, prefix, norm, d, g, p, gate_norm=m.rmsnorm,
@@ -143,16 +159,24 @@ def plan(params: dict[str, Any], config: HybridConfig) -> HybridPlan:
                 at[1] = add("attn", *_attention_rows(params, prefix, c))
                 scales += [c.attention.scale, c.attention.rope_theta]
             if kind == "mlp":
-                at[2] = add("mlp", *_mlp_rows(params, f"layers.{i}.ffn.", c))
+                at[2] = add("mlp", *_mlp_rows(params, f"layers.{i}.ffn.", c.d_ff, c.mlp, d))
+            if kind == "moe":
+                prefix, e = f"layers.{i}.ffn.", c.moe.experts
+                row, sizes = _mlp_rows(params, prefix + "experts.", c.d_expert, c.moe.mlp, d, (e,))
+                unread += sum(a.nbytes for a in row if a is not None) * (e - c.moe.top_k) // e
+                experts = add("mlp", row, sizes)
+                shared = add("mlp", *_mlp_rows(params, prefix + "shared.", c.d_shared or c.d_ff, c.mlp, d)) \
+                    if c.shared_expert else -1
+                at[3] = add("moe", *_router_rows(params, prefix, c.moe, d, experts, shared))
+                moe_scales.append(c.moe.scale)
             add("block", [norm], at)
             multipliers.append(c.residual_multiplier)
     norm_f, head, head_kind, head_scale = head_row(
         params, params.get("embedding.weight") if c.tie_embeddings else params.get("lm_head.weight"), d)
-    counts = [len(parts[k][1]) // n for k, n in (("block", _BLOCK), ("mamba", _MAMBA), ("attn", _ATTN),
-                                                  ("mlp", _MLP))]
-    rows = [*parts["mamba"][0], *parts["attn"][0], *parts["mlp"][0], *parts["block"][0]]
-    sizes = [*counts, d, g, p, head.shape[0], head_kind, *parts["mamba"][1], *parts["attn"][1], *parts["mlp"][1],
-             *parts["block"][1]]
+    order = ("mamba", "attn", "mlp", "moe", "block")  # the tables' order
+    counts = [len(parts[k][1]) // widths[k] for k in ("block", *order[:-1])]
+    rows = [a for k in order for a in parts[k][0]]
+    sizes = [*counts, d, g, p, head.shape[0], head_kind, *(n for k in order for n in parts[k][1])]
     arrays = tuple(a for a in (*rows, norm_f, head, head_scale) if a is not None)
     low, high = m.dt_limit if m is not None else (0.0, float("inf"))
     n_mamba, n_attn = counts[1], counts[2]
@@ -161,13 +185,13 @@ def plan(params: dict[str, Any], config: HybridConfig) -> HybridPlan:
         np.array(sizes, dtype=np.int64),
         np.array([0, norm_f.ctypes.data, head.ctypes.data, _address(head_scale), 0, *map(_address, rows)],
                  dtype=np.uintp),
-        np.array([c.norm_eps, c.norm_eps if m is None else m.norm_eps, low, high, *scales, *multipliers],
-                 dtype=np.float64),
+        np.array([c.norm_eps, c.norm_eps if m is None else m.norm_eps, low, high, *scales, *multipliers,
+                  *moe_scales], dtype=np.float64),
         _HEAD_POINTERS + _MAMBA_POINTERS * np.arange(n_mamba),
         np.stack([_HEADER + _MAMBA * n_mamba + _ATTN * np.arange(n_attn),
                   first_attn + _ATTN_POINTERS * np.arange(n_attn)], axis=1),
         tuple(convs), tuple(ssms), (c.attention.n_kv_heads, c.attention.head_dim) if n_attn else (0, 0), d,
-        head.shape[0], arrays, sum(a.nbytes for a in arrays))
+        head.shape[0], arrays, sum(a.nbytes for a in arrays) - unread)
 
 
 #: Each KV buffer this module made, by id: (a weak reference to it, its frontier: the first slot no
