@@ -125,6 +125,23 @@ def test_fused_step_attends_only_to_a_left_padded_rows_real_tokens():
         np.testing.assert_allclose(g, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
 
 
+@pytest.mark.parametrize("head_dim", [120, 64])  # 120: the 64-, 32-, 16- and 8-channel passes over the values
+def test_fused_attention_over_wide_heads_and_padded_blocks_of_slots_equals_the_array_api_step(head_dim):
+    config = replace(CONFIGS["granite"], attention=AttentionSpec(6, 2, head_dim, head_dim ** -0.5))
+    lm = HybridLM(_params(config), config)
+    rng = np.random.default_rng(head_dim)
+    ids = rng.integers(0, config.vocab_size, (1, 21))
+    mask = np.ones_like(ids)
+    mask[:, :5] = 0  # the first block of eight slots holds five the queries must not see
+    _, state = lm.prefill(ids, attention_mask=mask, max_len=30)
+    tokens = [5, 6, 2, 70, 11]
+    with reference():
+        want, _ = _steps(lm, state, tokens)
+    got, _ = _steps(lm, state, tokens)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+
+
 def test_a_state_stepped_twice_branches_without_changing_any_returned_state():
     config = CONFIGS["granite"]
     lm = HybridLM(_params(config), config)

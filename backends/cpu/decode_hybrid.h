@@ -74,17 +74,68 @@ inline void rope_head(float* v, const float* cos, const float* sin, int64_t r) {
   }
 }
 
-// out [c, hd] = softmax over the visible slots s <= slot of scale·q_j·keys[s] (c query heads q [c,
-// hd] of one KV head), times values[s]: each key and value row read once for the c heads. scores:
-// the thread's own [c, slot + 1]. An invisible slot's weight is exactly 0.
-inline void attend_group(const float* q, int64_t c, const float* keys, const float* values, const uint8_t* valid,
-                         int64_t slot, int64_t hd, float scale, float* scores, float* out) {
-  const int64_t count = slot + 1;
-  for (int64_t s = 0; s < count; ++s) {
+// Lane r of the result: the sum of the eight lanes of a[r] (four horizontal adds, one swap of halves).
+inline __m256 sum_lanes8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // a0..a3: low | high halves
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// scores [c, count] = scale·q_j·keys[s] for the c query heads q [c, hd] and the slots s < count
+// (-inf where !valid[s]). Eight slots at a time where hd is a multiple of 8: each head's eight
+// products are summed into one vector of eight scores together (sum_lanes8), the keys' block
+// staying in L1 across the heads; the rest one slot at a time.
+inline void attend_scores(const float* q, int64_t c, const float* keys, const uint8_t* valid, int64_t count,
+                          int64_t hd, float scale, float* scores) {
+  int64_t s = 0;
+  if (hd % 8 == 0) {
+    for (; s + 8 <= count; s += 8) {
+      for (int64_t j = 0; j < c; ++j) {
+        __m256 a[8];
+        for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < hd; i += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + j * hd + i);
+          for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + (s + r) * hd + i), a[r]);
+        }
+        float* e = scores + j * count + s;
+        _mm256_storeu_ps(e, _mm256_mul_ps(sum_lanes8(a), _mm256_set1_ps(scale)));
+        for (int r = 0; r < 8; ++r) {
+          if (!valid[s + r]) e[r] = -INFINITY;
+        }
+      }
+    }
+  }
+  for (; s < count; ++s) {
     for (int64_t j = 0; j < c; ++j) {
       scores[j * count + s] = valid[s] ? inner(q + j * hd, keys + s * hd, hd) * scale : -INFINITY;
     }
   }
+}
+
+// out [width] = sum over the slots s < count with e[s] != 0 of e[s]·rows[s·hd, +width), then times
+// inv: Width floats (a multiple of 8) held in registers across the slots; a slot whose weight is
+// exactly 0 is skipped, so a NaN in a slot no query sees never reaches the output.
+template <int64_t Width>
+inline void weighted_rows(const float* e, const float* rows, int64_t count, int64_t hd, float inv, float* out) {
+  constexpr int64_t n = Width / 8;
+  __m256 a[n];
+  for (int64_t k = 0; k < n; ++k) a[k] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < count; ++s) {
+    if (e[s] == 0.f) continue;
+    const __m256 w = _mm256_set1_ps(e[s]);
+    for (int64_t k = 0; k < n; ++k) a[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows + s * hd + 8 * k), a[k]);
+  }
+  for (int64_t k = 0; k < n; ++k) _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(a[k], _mm256_set1_ps(inv)));
+}
+
+// out [c, hd] = softmax over the visible slots s <= slot of scale·q_j·keys[s] (c query heads q [c,
+// hd] of one KV head), times values[s]: the keys read once for the c heads, each head's output
+// 64 (then 32, 16, 8) channels at a time in registers over the values. scores: the thread's own
+// [c, slot + 1]. An invisible slot's weight is exactly 0.
+inline void attend_group(const float* q, int64_t c, const float* keys, const float* values, const uint8_t* valid,
+                         int64_t slot, int64_t hd, float scale, float* scores, float* out) {
+  const int64_t count = slot + 1;
+  attend_scores(q, c, keys, valid, count, hd, scale, scores);
   for (int64_t j = 0; j < c; ++j) {
     float* e = scores + j * count;
     float top = -INFINITY;
@@ -103,18 +154,20 @@ inline void attend_group(const float* q, int64_t c, const float* keys, const flo
       e[s] = e[s] == -INFINITY ? 0.f : std::exp(e[s] - top);
       total += e[s];
     }
-    for (int64_t i = 0; i < hd; ++i) out[j * hd + i] = 0.f;
-    for (s = 0; s < count; ++s) {
-      if (e[s] == 0.f) continue;
-      const float* row = values + s * hd;
-      float* o = out + j * hd;
-      const __m256 w = _mm256_set1_ps(e[s]);
-      int64_t i = 0;
-      for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(row + i), _mm256_loadu_ps(o + i)));
-      for (; i < hd; ++i) o[i] += e[s] * row[i];
-    }
     const float inv = 1.f / total;
-    for (int64_t i = 0; i < hd; ++i) out[j * hd + i] *= inv;
+    float* o = out + j * hd;
+    int64_t i = 0;
+    for (; i + 64 <= hd; i += 64) weighted_rows<64>(e, values + i, count, hd, inv, o + i);
+    if (i + 32 <= hd) weighted_rows<32>(e, values + i, count, hd, inv, o + i), i += 32;
+    if (i + 16 <= hd) weighted_rows<16>(e, values + i, count, hd, inv, o + i), i += 16;
+    if (i + 8 <= hd) weighted_rows<8>(e, values + i, count, hd, inv, o + i), i += 8;
+    for (; i < hd; ++i) {  // the last hd % 8 channels
+      float sum = 0.f;
+      for (int64_t t = 0; t < count; ++t) {
+        if (e[t] != 0.f) sum += e[t] * values[t * hd + i];
+      }
+      o[i] = sum * inv;
+    }
   }
 }
 
