@@ -1,7 +1,7 @@
 """PyTorch: conversion, devices, the native fast paths (conv1d, SiLU and RMSNorm through torch's own
 ops, quantized matmuls, the CPU kernels of :mod:`.torch_kernels`, the training scan op, and NumPy's
-native scan on zero-copy views (:mod:`.torch_views`) for float64 CPU inference), and (for
-training) the nn.Module adapter.
+native scan and fused hybrid decode step (:mod:`.torch_hybrid`) on zero-copy views
+(:mod:`.torch_views`) for CPU inference), and (for training) the nn.Module adapter.
 
 The core runs unchanged on torch tensors through array_api_compat, so autograd, ``torch.compile``
 and autocast see ordinary torch ops. :class:`Mamba2Module` / :class:`Mamba2LMModule` register the
@@ -37,7 +37,7 @@ from portable_ssm.model import forward as core_forward
 from portable_ssm.params import init_params
 from portable_ssm.quantized import QuantizedWeight, quantized_matmul_ref
 
-from . import torch_kernels, torch_scan
+from . import torch_hybrid, torch_kernels, torch_scan
 from .numpy import ops as numpy_ops
 from .numpy import quant as numpy_quant
 from .torch_views import host_views as _host_views
@@ -862,8 +862,8 @@ def compile_step(fn: Callable[..., Any], name: str, donate: tuple[int, ...]) -> 
 
 
 FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "causal_conv1d_silu": causal_conv1d_silu,
-                            "compile": compile_step, "decode_linear": decode_linear, "decode_model": decode_model,
-                            "decode_step": decode_step,
+                            "compile": compile_step, "decode_hybrid": torch_hybrid.decode_hybrid,
+                            "decode_linear": decode_linear, "decode_model": decode_model, "decode_step": decode_step,
                             "gated_rms_norm": gated_rms_norm,
                             "pack_quantized": pack_quantized, "quantized_matmul": quantized_matmul,
                             "split": split, "ssd_chunked": ssd_chunked}
