@@ -1,6 +1,7 @@
 """PyTorch: conversion, devices, the native fast paths (conv1d, SiLU and RMSNorm through torch's own
 ops, quantized matmuls, the CPU kernels of :mod:`.torch_kernels`, the training scan op, and NumPy's
-native scan on zero-copy views for float64 CPU inference), and (for training) the nn.Module adapter.
+native scan and fused hybrid decode step (:mod:`.torch_hybrid`) on zero-copy views
+(:mod:`.torch_views`) for CPU inference), and (for training) the nn.Module adapter.
 
 The core runs unchanged on torch tensors through array_api_compat, so autograd, ``torch.compile``
 and autocast see ordinary torch ops. :class:`Mamba2Module` / :class:`Mamba2LMModule` register the
@@ -36,9 +37,13 @@ from portable_ssm.model import forward as core_forward
 from portable_ssm.params import init_params
 from portable_ssm.quantized import QuantizedWeight, quantized_matmul_ref
 
-from . import torch_kernels, torch_scan
+from . import torch_hybrid, torch_kernels, torch_scan
 from .numpy import ops as numpy_ops
 from .numpy import quant as numpy_quant
+from .torch_views import host_views as _host_views
+from .torch_views import plain_cpu as _plain_cpu
+from .torch_views import plain_views as _plain_views
+from .torch_views import records_grad as _records_grad
 
 
 def namespace() -> Any:
@@ -84,39 +89,6 @@ def read_state_dict(path: str) -> dict[str, tuple[np.ndarray, str]]:
             raise ValueError(f"entry {name!r} is a {type(value).__name__}, expected a tensor")
         out[name] = (to_numpy(value), _dtype_name(value.dtype))
     return out
-
-
-def _records_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records an op on ``tensors`` (grad mode on and one of them requires grad)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-#: Tensor types whose ``numpy()`` is their data (subclasses may hold other things behind it).
-_PLAIN = (torch.Tensor, nn.Parameter)
-
-
-def _host_views(*tensors: torch.Tensor | None) -> tuple[np.ndarray | None, ...] | None:
-    """Zero-copy NumPy views of CPU tensors (None stays None) where NumPy's native paths may read
-    them: plain tensors autograd does not record and ``torch.compile`` is not tracing; None otherwise."""
-    return None if _records_grad(*tensors) else _plain_views(*tensors)
-
-
-def _plain_cpu(*tensors: torch.Tensor | None) -> bool:
-    """Whether every tensor (None aside) is a plain CPU one whose memory holds its values: no
-    subclass, no lazy conjugate or negative bit. What native code may read through its pointer."""
-    return all(t is None or (type(t) in _PLAIN and t.device.type == "cpu" and not t.is_conj() and not t.is_neg())
-               for t in tensors)
-
-
-def _plain_views(*tensors: torch.Tensor | None) -> tuple[np.ndarray | None, ...] | None:
-    """:func:`_host_views` whether or not autograd records: the tensors' data as zero-copy NumPy
-    views (detached), or None where ``torch.compile`` is tracing or a tensor is not a plain CPU one."""
-    if torch.compiler.is_compiling() or not _plain_cpu(*tensors):
-        return None
-    try:
-        return tuple(None if t is None else t.detach().numpy() for t in tensors)
-    except RuntimeError:  # no plain storage behind it (a torch.func transform's wrapper, e.g. under vmap)
-        return None
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -890,8 +862,8 @@ def compile_step(fn: Callable[..., Any], name: str, donate: tuple[int, ...]) -> 
 
 
 FAST_OPS: dict[str, Any] = {"causal_conv1d": causal_conv1d, "causal_conv1d_silu": causal_conv1d_silu,
-                            "compile": compile_step, "decode_linear": decode_linear, "decode_model": decode_model,
-                            "decode_step": decode_step,
+                            "compile": compile_step, "decode_hybrid": torch_hybrid.decode_hybrid,
+                            "decode_linear": decode_linear, "decode_model": decode_model, "decode_step": decode_step,
                             "gated_rms_norm": gated_rms_norm,
                             "pack_quantized": pack_quantized, "quantized_matmul": quantized_matmul,
                             "split": split, "ssd_chunked": ssd_chunked}

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from portable_ssm import Mamba2Config, Mamba2State, QuantizedWeight, empty_state, step, to_backend
+from portable_ssm import Mamba2Config, Mamba2State, empty_state, step, to_backend
 from portable_ssm._array import array_backend, device, namespace
 
 from ._checks import check_float_array, check_int
@@ -49,23 +49,6 @@ HEAD_NAMES = ("inp.weight", "inp.bias", "head.weight", "head.bias")
 
 def _linear(x: Any, weight: Any, bias: Any) -> Any:
     return x @ weight.T + bias  # [..., in] -> [..., out]
-
-
-def _quantized_parts(w: QuantizedWeight, torch: Any) -> list[Any] | None:
-    """The tensors a NumPy view of the torch ``w`` reads: its int8 data and scales, or its bfloat16
-    data reinterpreted as int16 (the same bits); None where its data is neither."""
-    if not isinstance(w.data, torch.Tensor):
-        return None
-    if w.kind == "int8" and w.data.dtype == torch.int8 and getattr(w.scale, "dtype", None) == torch.float32:
-        return [w.data, w.scale]
-    if w.kind == "bfloat16" and w.data.dtype == torch.bfloat16:
-        return [w.data.view(torch.int16)]
-    return None
-
-
-def _bits(view: np.ndarray, kind: str) -> np.ndarray:
-    """A quantized weight's NumPy storage view: int8 as it is, bfloat16's int16 view as uint16 bits."""
-    return view.view(np.uint16) if kind == "bfloat16" else view
 
 
 def check_head(head: Any, config: Mamba2Config, features: int) -> None:
@@ -154,23 +137,9 @@ class MarketStream:
             return list(tensors)
         if self._backend != "torch":
             return None
-        import torch
-        from portable_ssm.backends import torch as torch_backend
+        from portable_ssm.backends.torch_views import numpy_views
 
-        plain, spans = [], []  # the tensors to view; per entry, its slice of them
-        for t in tensors:
-            parts = _quantized_parts(t, torch) if isinstance(t, QuantizedWeight) else [t]
-            if parts is None or not isinstance(t, QuantizedWeight) and not (isinstance(t, torch.Tensor)
-                                                                             and t.dtype == torch.float32):
-                return None  # bfloat16 arrays (no NumPy dtype to view them as): the other paths take them
-            spans.append(slice(len(plain), len(plain) + len(parts)))
-            plain += parts
-        views = torch_backend._plain_views(*plain)
-        if views is None:
-            return None
-        return [QuantizedWeight(_bits(views[s][0], t.kind), views[s][1] if t.kind == "int8" else None, t.kind,
-                                np.dtype(np.float32)) if isinstance(t, QuantizedWeight) else views[s][0]
-                for t, s in zip(tensors, spans)]
+        return numpy_views(list(tensors))
 
     def _prepared_rows_step(self) -> Any:
         """:class:`~portable_ssm.backends.numpy.rows.RowsStep` of the model (on NumPy, or on views of

@@ -267,8 +267,10 @@ def decode_rows_in_place(x: np.ndarray, conv_states: list[np.ndarray], ssm_state
 class LastPlan:
     """``make(params, config)`` (a plan builder that raises ValueError for what it refuses),
     remembered for the params last asked about: ``{(config, names, ids of the values): (weak
-    references to the values, the plan without its arrays)}`` (weak, so a model the caller drops is
-    freed; a plan is used only while every value it was made from is alive)."""
+    references to the values, the plan without its arrays, or None where refused)}`` (weak, so a
+    model the caller drops is freed; a plan is used only while every value it was made from is
+    alive). A refusal is remembered too: a model the step does not compute is not checked again
+    per token."""
 
     def __init__(self, make: Any) -> None:
         self.make, self.known = make, {}
@@ -284,9 +286,10 @@ class LastPlan:
         try:
             made = self.make(params, config)
         except ValueError:
-            return None
+            made = None
         try:  # remembered without its arrays: the model's own references keep them alive while it is
-            self.known[key] = ([weakref.ref(v) for v in params.values()], replace(made, arrays=()))
+            self.known[key] = ([weakref.ref(v) for v in params.values()],
+                               None if made is None else replace(made, arrays=()))
         except TypeError:  # a value without weak references: planned again next call
             pass
         return made

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,21 +195,35 @@ def plan(params: dict[str, Any], config: HybridConfig) -> HybridPlan:
         head.shape[0], arrays, sum(a.nbytes for a in arrays) - unread)
 
 
-#: Each KV buffer this module made, by id: (a weak reference to it, its frontier: the first slot no
-#: state made from it holds). Entries leave with their buffers.
-_FRONTIER: dict[int, tuple[weakref.ref, int]] = {}
+#: Each KV buffer this module made, by its memory (data address, bytes): (a weak reference to it,
+#: its frontier: the first slot no state made from it holds). By memory, not by object, so a new
+#: view of the same buffer (the torch backend's NumPy view of a tensor it handed out) is the same
+#: buffer; the weak reference says the memory is still that buffer's. Entries leave with them.
+_FRONTIER: dict[tuple[int, int], tuple[weakref.ref, int]] = {}
 _FRONTIER_LOCK = threading.Lock()
 
 
+def _forget(key: tuple[int, int], ref: weakref.ref) -> None:
+    """The entry of the buffer behind ``ref`` (just freed) dropped, unless another holds ``key``."""
+    known = _FRONTIER.get(key)
+    if known is not None and known[0] is ref:
+        _FRONTIER.pop(key, None)
+
+
 def _writable(cache: np.ndarray, slot: int) -> np.ndarray:
-    """``cache [1, kv, m, hd]`` itself where this module made it and its frontier is ``slot`` (no
-    state holds that slot: it may be written in place), else a copy of it; either way its frontier
-    becomes ``slot + 1``."""
+    """``cache [1, kv, m, hd]`` itself where it is (a contiguous, writeable view of) a buffer this
+    module made whose frontier is ``slot`` (no state holds that slot: it may be written in place),
+    else a copy of it; either way that buffer's frontier becomes ``slot + 1``."""
+    key = (cache.ctypes.data, cache.nbytes)
     with _FRONTIER_LOCK:  # two threads stepping one state: one of them writes into a copy
-        known = _FRONTIER.get(id(cache))
-        out = cache if known is not None and known[0]() is cache and known[1] == slot else np.array(cache, order="C")
-        key = id(out)
-        _FRONTIER[key] = (weakref.ref(out, lambda _, key=key: _FRONTIER.pop(key, None)), slot + 1)
+        known = _FRONTIER.get(key)
+        if (known is not None and known[1] == slot and known[0]() is not None and cache.flags.c_contiguous
+                and cache.flags.writeable):
+            _FRONTIER[key] = (known[0], slot + 1)
+            return cache
+        out = np.array(cache, order="C")
+        key = (out.ctypes.data, out.nbytes)
+        _FRONTIER[key] = (weakref.ref(out, lambda ref, key=key: _forget(key, ref)), slot + 1)
     return out
 
 
@@ -221,15 +236,18 @@ def _shaped(a: Any, dtype: Any, shape: tuple[int, ...]) -> bool:
 
 
 def decode_hybrid_hook(x: Any, state: HybridState, positions: Any, params: dict[str, Any],
-                       config: HybridConfig) -> tuple[np.ndarray, HybridState] | None:
+                       config: HybridConfig, plans: Callable[[dict[str, Any], HybridConfig], HybridPlan | None]
+                       | None = None) -> tuple[np.ndarray, HybridState] | None:
     """The ``decode_hybrid`` fast op: one token ``x [1, d_model]`` (embedded, float32) after
     ``state`` through the whole stack, ``positions`` the state's slot bookkeeping after this token
     (:func:`portable_ssm.blocks.attention.advance`): ``(logits [1, rows] before logits_scaling,
     new state)``. None (the array-API step runs) where the kernels are off, the model is not one
-    :func:`plan` takes, or the state's arrays are not batch-1 float32 arrays of its shapes."""
+    :func:`plan` takes, or the state's arrays are not batch-1 float32 arrays of its shapes.
+    ``plans``: where the plan of ``params`` comes from (None: :data:`known_plan`; the torch
+    backend's plans NumPy views of its tensors)."""
     if kernels.library() is None or not isinstance(state, HybridState):
         return None
-    model = known_plan(params, config)
+    model = (known_plan if plans is None else plans)(params, config)
     m = state.max_len
     old, new = state.positions, positions
     if model is None or len(state.conv) != len(model.conv_shapes) or len(state.kv) != len(model.attn_at):
