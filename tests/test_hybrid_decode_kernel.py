@@ -59,10 +59,11 @@ def _params(config: HybridConfig) -> dict[str, np.ndarray]:
 
 
 @contextlib.contextmanager
-def reference() -> Iterator[None]:
-    """A context in which ``HybridLM.step`` runs the array-API step (the fast op removed)."""
+def reference(ops: dict | None = None) -> Iterator[None]:
+    """A context in which ``HybridLM.step`` runs the array-API step (the fast op removed from the
+    backend's ``ops``, NumPy's by default)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.delitem(numpy_backend.FAST_OPS, "decode_hybrid")
+        patch.delitem(numpy_backend.FAST_OPS if ops is None else ops, "decode_hybrid")
         yield
 
 
@@ -74,16 +75,18 @@ def _steps(lm: HybridLM, state, tokens: list[int]) -> tuple[list[np.ndarray], ob
     return out, state
 
 
-def _counting(monkeypatch) -> list[bool]:
-    """Records whether each call of the fast op computed the step (True) or declined (False)."""
+def _counting(monkeypatch, ops: dict | None = None) -> list[bool]:
+    """Records whether each call of the backend's fast op (``ops``, NumPy's by default) computed the
+    step (True) or declined (False)."""
+    ops = numpy_backend.FAST_OPS if ops is None else ops
     calls: list[bool] = []
-    hook = numpy_backend.FAST_OPS["decode_hybrid"]
+    hook = ops["decode_hybrid"]
 
     def counted(*args):
         out = hook(*args)
         calls.append(out is not None)
         return out
-    monkeypatch.setitem(numpy_backend.FAST_OPS, "decode_hybrid", counted)
+    monkeypatch.setitem(ops, "decode_hybrid", counted)
     return calls
 
 

@@ -7,14 +7,12 @@ scores go to the lowest expert as in the reference; greedy generation picks the 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
-from portable_ssm.backends import numpy as numpy_backend
 from portable_ssm.backends.numpy import hybrid, kernels
+from test_hybrid_decode_kernel import _steps, reference
 
 from portable_ssm.bench.hybrid_models import random_params
 from portable_ssm.blocks import AttentionSpec, MLPSpec, MoESpec
@@ -52,14 +50,6 @@ CONFIGS = {
 }
 
 
-@contextlib.contextmanager
-def reference() -> Iterator[None]:
-    """A context in which ``HybridLM.step`` runs the array-API step (the fast op removed)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delitem(numpy_backend.FAST_OPS, "decode_hybrid")
-        yield
-
-
 @dataclass
 class Team:
     """The fused step's team size for a test, and the size each call of the library was given."""
@@ -85,14 +75,6 @@ def team(request, monkeypatch) -> Team:
 
     monkeypatch.setattr(hybrid.kernels, "library", lambda: Recording())
     return out
-
-
-def _steps(lm: HybridLM, state, tokens: list[int]) -> tuple[list[np.ndarray], object]:
-    out = []
-    for t in tokens:
-        logits, state = lm.step(np.array([t]), state)
-        out.append(logits)
-    return out, state
 
 
 _PROMPT = np.array([[3, 17, 5, 60, 2, 9]])

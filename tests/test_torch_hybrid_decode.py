@@ -6,14 +6,12 @@ without changing any state already returned; tensors autograd records left to th
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
 import pytest
 from portable_ssm.backends.numpy import kernels
-from test_hybrid_decode_kernel import CONFIGS, _params
+from test_hybrid_decode_kernel import CONFIGS, _counting, _params, reference
 
 from portable_ssm.blocks import MLPSpec
 from portable_ssm.hybrid_lm import HybridLM
@@ -46,27 +44,6 @@ def _to_torch(state: HybridState) -> HybridState:
                                                    for f in state.positions._fields}))
 
 
-@contextlib.contextmanager
-def reference() -> Iterator[None]:
-    """A context in which the torch ``HybridLM.step`` runs the array-API step (the fast op removed)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delitem(torch_backend.FAST_OPS, "decode_hybrid")
-        yield
-
-
-def _counting(monkeypatch) -> list[bool]:
-    """Records whether each call of the torch fast op computed the step (True) or declined (False)."""
-    calls: list[bool] = []
-    hook = torch_backend.FAST_OPS["decode_hybrid"]
-
-    def counted(*args):
-        out = hook(*args)
-        calls.append(out is not None)
-        return out
-    monkeypatch.setitem(torch_backend.FAST_OPS, "decode_hybrid", counted)
-    return calls
-
-
 def _steps(lm: HybridLM, state, tokens: list[int], make) -> tuple[list[np.ndarray], HybridState]:
     out = []
     for t in tokens:
@@ -88,9 +65,9 @@ def test_torch_fused_step_equals_numpys_bit_for_bit_and_the_reference_within_rou
     lm, numpy_lm = _models(name, kind)
     _, start = numpy_lm.prefill(np.array([[3, 17, 5, 60, 2, 9]]), max_len=16)
     want, want_state = _steps(numpy_lm, start, TOKENS, np.array)  # NumPy's fused step
-    with reference():
+    with reference(torch_backend.FAST_OPS):
         ref, ref_state = _steps(lm, _to_torch(start), TOKENS, torch.tensor)
-    calls = _counting(monkeypatch)
+    calls = _counting(monkeypatch, torch_backend.FAST_OPS)
     got, got_state = _steps(lm, _to_torch(start), TOKENS, torch.tensor)
     assert calls == [True] * len(TOKENS)
     assert all(isinstance(a, torch.Tensor) for a in (*got_state.conv, *got_state.ssm, got_state.kv[0].k))
@@ -113,9 +90,9 @@ def test_torch_fused_step_equals_numpys_bit_for_bit_and_the_reference_within_rou
 def test_torch_generate_through_the_fused_step_gives_the_reference_tokens(kind, monkeypatch):
     lm, numpy_lm = _models("falcon", kind)
     ids = torch.tensor([[3, 17, 5, 60]])
-    with reference():
+    with reference(torch_backend.FAST_OPS):
         want = lm.generate(ids, 8, eos_token_id=None)
-    calls = _counting(monkeypatch)
+    calls = _counting(monkeypatch, torch_backend.FAST_OPS)
     got = lm.generate(ids, 8, eos_token_id=None)
     assert calls and all(calls)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -134,7 +111,7 @@ def test_the_model_is_planned_once_and_again_when_a_tensors_memory_changes(monke
     weight.data = weight.data * 3  # the same tensor object over new memory: the old memory is freed
     got, _ = _steps(lm, state, [4], torch.tensor)
     assert len(made) == 2
-    with reference():
+    with reference(torch_backend.FAST_OPS):
         want, _ = _steps(lm, state, [4], torch.tensor)
     np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=2e-5 * np.abs(want[0]).max())
 
@@ -145,7 +122,7 @@ def test_a_model_the_kernel_does_not_compute_is_checked_once_not_per_token(monke
     made = []
     make = torch_hybrid.known_plan.make
     monkeypatch.setattr(torch_hybrid.known_plan, "make", lambda *a: made.append(1) or make(*a))
-    calls = _counting(monkeypatch)
+    calls = _counting(monkeypatch, torch_backend.FAST_OPS)
     _steps(lm, lm.empty_state(1, 6), [4, 9, 40], torch.tensor)
     assert calls == [False] * 3 and len(made) == 1
 
@@ -167,7 +144,7 @@ def test_torch_kv_caches_are_written_in_place_after_the_first_fused_step():
 def test_a_torch_state_stepped_twice_branches_without_changing_any_returned_state(monkeypatch):
     lm, _ = _models("granite", "float32")
     _, start = lm.prefill(torch.tensor([[3, 17, 5]]), max_len=12)
-    calls = _counting(monkeypatch)
+    calls = _counting(monkeypatch, torch_backend.FAST_OPS)
     _, one = lm.step(torch.tensor([4]), start)  # the caches now belong to the fused path: written in place next
     kept = [(kv.k.clone(), kv.v.clone()) for kv in one.kv]
     a_logits, a = lm.step(torch.tensor([9]), one)  # in place: slot 4 of one's buffers
@@ -176,7 +153,7 @@ def test_a_torch_state_stepped_twice_branches_without_changing_any_returned_stat
     for kv, (k, v) in zip(one.kv, kept):  # one's own slots are as they were
         torch.testing.assert_close(kv.k[:, :, :4], k[:, :, :4], rtol=0, atol=0)
         torch.testing.assert_close(kv.v[:, :, :4], v[:, :, :4], rtol=0, atol=0)
-    with reference():
+    with reference(torch_backend.FAST_OPS):
         want_a, ref_a = lm.step(torch.tensor([9]), one)
         want_b, _ = lm.step(torch.tensor([40]), one)
         want_next, _ = lm.step(torch.tensor([2]), ref_a)
@@ -190,7 +167,7 @@ def test_tensors_autograd_records_take_the_reference_step(monkeypatch):
     lm, _ = _models("granite", "int8")
     _, state = lm.prefill(torch.tensor([[3, 17]]), max_len=6)
     lm.params["layers.0.mixer_norm.weight"].requires_grad_()
-    calls = _counting(monkeypatch)
+    calls = _counting(monkeypatch, torch_backend.FAST_OPS)
     logits, _ = lm.step(torch.tensor([4]), state)
     assert calls == [False] and logits.requires_grad
     with torch.no_grad():
@@ -201,7 +178,7 @@ def test_tensors_autograd_records_take_the_reference_step(monkeypatch):
 def test_other_dtypes_and_batches_take_the_reference_step(monkeypatch):
     config = CONFIGS["granite"]
     lm = HybridLM({k: torch.from_numpy(v.astype(np.float64)) for k, v in _params(config).items()}, config)
-    calls = _counting(monkeypatch)
+    calls = _counting(monkeypatch, torch_backend.FAST_OPS)
     lm.step(torch.tensor([4]), lm.empty_state(1, 4))
     lm32, _ = _models("granite", "float32")
     lm32.step(torch.tensor([4, 5]), lm32.empty_state(2, 4))
