@@ -40,10 +40,7 @@ from portable_ssm.quantized import QuantizedWeight, quantized_matmul_ref
 from . import torch_hybrid, torch_kernels, torch_scan
 from .numpy import ops as numpy_ops
 from .numpy import quant as numpy_quant
-from .torch_views import host_views as _host_views
-from .torch_views import plain_cpu as _plain_cpu
-from .torch_views import plain_views as _plain_views
-from .torch_views import records_grad as _records_grad
+from .torch_views import host_views, plain_cpu, plain_views, records_grad
 
 
 def namespace() -> Any:
@@ -98,7 +95,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     The reference itself where autograd records: the backward of a depthwise conv1d (mkldnn's on
     CPU) took 10 ms of a 130 ms training step of a 130m layer at l=512, the shifted slices' 2 ms
     (a hand-written backward, one more depthwise conv1d for the input's gradient, was slower still)."""
-    if _records_grad(x, weight, bias, state):
+    if records_grad(x, weight, bias, state):
         return causal_conv1d_ref(x, weight, bias, state, xp=xp)
     b, l, d = x.shape
     k = weight.shape[-1]
@@ -276,14 +273,14 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     compiled) for the CPU tensors it takes (:func:`_scan_op_takes`); the core reference otherwise
     (packed rows, other dtypes, GPUs, compiled inference). Shapes as the reference."""
     Q = ssd.chunk_length(x.shape[1], chunk_size)
-    if _records_grad(x, dt, A, B, C, initial_states, D):
+    if records_grad(x, dt, A, B, C, initial_states, D):
         if _scan_op_takes(x, dt, A, B, C, initial_states, seq_idx, D):
             return ssd_scan(x, dt, A, B, C, D, initial_states, Q)
     elif seq_idx is None and not torch.compiler.is_compiling():
         out = _kernel_scan(x, dt, A, B, C, D, initial_states, Q)
         if out is not None:
             return out
-    views = _host_views(x, dt, A, B, C, initial_states, seq_idx, D)
+    views = host_views(x, dt, A, B, C, initial_states, seq_idx, D)
     if views is None:
         return ssd.ssd_chunked_ref(x, dt, A, B, C, chunk_size=chunk_size, initial_states=initial_states,
                                    xp=xp, seq_idx=seq_idx, D=D)
@@ -358,17 +355,17 @@ def _scan_op_takes(*tensors: torch.Tensor | None) -> bool:
         return False
     if any(t.dtype != x.dtype or t.device.type != "cpu" for t in present):
         return False
-    return torch.compiler.is_compiling() or _plain_views(*present) is not None
+    return torch.compiler.is_compiling() or plain_views(*present) is not None
 
 
 def _kernel_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                  D: torch.Tensor | None, initial_states: torch.Tensor | None,
                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(y, final state)`` from the C++ scan kernel (:func:`.torch_kernels.scan_forward`) for plain
-    float32 CPU tensors (:func:`_plain_cpu`) where the kernels are built; None otherwise. A 130m
+    float32 CPU tensors (:func:`plain_cpu`) where the kernels are built; None otherwise. A 130m
     layer's scan on 2 threads: 11 against NumPy's 26 ms at l=2048, 68 against 102 ms at l=8192."""
     tensors = (x, dt, A, B, C, D, initial_states)
-    if not _plain_cpu(*tensors) or any(t is not None and t.dtype != torch.float32 for t in tensors):
+    if not plain_cpu(*tensors) or any(t is not None and t.dtype != torch.float32 for t in tensors):
         return None
     if not _kernels_ready():
         return None
@@ -383,7 +380,7 @@ def _ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     out = _kernel_scan(x, dt, A, B, C, D, initial_states, chunk_size)
     if out is not None:
         return out
-    xn, dtn, An, Bn, Cn, Dn, initial = _plain_views(x, dt, A, B, C, D, initial_states)
+    xn, dtn, An, Bn, Cn, Dn, initial = plain_views(x, dt, A, B, C, D, initial_states)
     y, final = numpy_ops.ssd_chunked(xn, dtn, An, Bn, Cn, chunk_size, initial, D=Dn)
     return torch.from_numpy(y), torch.from_numpy(final)
 
@@ -573,10 +570,10 @@ def _tiled_product(rows: torch.Tensor, weight: Any) -> torch.Tensor:
     one for a 130m layer's projections). The core reference (one widened copy of the whole
     matrix) for float32 rows that autograd records, other row dtypes, graphs being compiled and
     weights that are not plain CPU tensors."""
-    if rows.dtype != torch.float32 or _records_grad(rows, weight.data):
+    if rows.dtype != torch.float32 or records_grad(rows, weight.data):
         return quantized_matmul_ref(rows, weight, xp=xp)
     stored = weight.data.view(torch.int16) if weight.kind == "bfloat16" else weight.data  # NumPy has no bfloat16
-    views = _plain_views(stored, weight.scale)  # None: a graph being compiled, or not plain CPU tensors
+    views = plain_views(stored, weight.scale)  # None: a graph being compiled, or not plain CPU tensors
     if views is None:
         return quantized_matmul_ref(rows, weight, xp=xp)
     data, scale = views
@@ -621,7 +618,7 @@ def _takes_row_kernel(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     (eager calls build it on first use; a graph being traced only asks whether it was)."""
     if rows.shape[0] != 1 or rows.device.type != "cpu" or weight.device.type != "cpu":
         return False
-    if rows.dtype != torch.float32 or weight.dtype not in torch_kernels.WEIGHT_DTYPES or _records_grad(rows, weight):
+    if rows.dtype != torch.float32 or weight.dtype not in torch_kernels.WEIGHT_DTYPES or records_grad(rows, weight):
         return False
     if not weight.is_contiguous():
         return False
@@ -657,7 +654,7 @@ def decode_step(xBC: torch.Tensor, dt: torch.Tensor, z: torch.Tensor, conv_state
     present = [t for t in tensors if t is not None]
     if any(t.device.type != "cpu" or t.dtype != torch_kernels.DECODE_DTYPE for t in present):
         return None
-    if _records_grad(*present):
+    if records_grad(*present):
         return None
     if not _kernels_ready():
         return None
@@ -758,7 +755,7 @@ def decode_model(x: torch.Tensor, state: Mamba2State, params: dict[str, Any],
     weights = _known_model_weights(params, c)
     if weights is None:
         return None
-    if torch.is_grad_enabled() and _records_grad(x, *_entries(weights)):
+    if torch.is_grad_enabled() and records_grad(x, *_entries(weights)):
         return None
     out, convs, ssms = torch_kernels.decode_model(
         x.contiguous(), [t.contiguous() for t in state.conv], [t.contiguous() for t in state.ssm], weights,

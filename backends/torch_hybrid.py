@@ -31,23 +31,18 @@ from portable_ssm.stack import HybridConfig, HybridState
 
 from .numpy import hybrid, kernels
 from .numpy.decode import LastPlan
-from .torch_views import host_views, numpy_views
+from .torch_views import host_views, numpy_views, records_grad
 
 
 def _addresses(params: dict[str, Any]) -> tuple[int, ...] | None:
     """The data address of every tensor of ``params``' values (a QuantizedWeight's data and scale),
     the plan's key beside the values themselves; None where a value is not a tensor or such a
     weight, or autograd would record an op on one (grad mode on and it requires grad)."""
-    grad = torch.is_grad_enabled()
-    out = []
-    for v in params.values():
-        for t in (v.data, v.scale) if isinstance(v, QuantizedWeight) else (v,):
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor) or grad and t.requires_grad:
-                return None
-            out.append(t.data_ptr())
-    return tuple(out)
+    tensors = [t for v in params.values() for t in ((v.data, v.scale) if isinstance(v, QuantizedWeight) else (v,))
+               if t is not None]
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or records_grad(*tensors):
+        return None
+    return tuple(t.data_ptr() for t in tensors)
 
 
 def _plan(params: dict[str, Any], keyed: tuple[HybridConfig, tuple[int, ...]]) -> hybrid.HybridPlan:

@@ -330,7 +330,7 @@ def test_scan_kernel_leaves_float64_packed_rows_and_a_disabled_build_to_numpy(ke
 @requires_kernel
 def test_scan_kernel_leaves_a_lazily_negated_tensor_to_the_reference(kernel, monkeypatch):
     """A tensor with torch's lazy negative bit holds the negated values in memory: native code reading
-    its pointer would see them, so neither the kernel nor NumPy's views take it (``_plain_cpu``)."""
+    its pointer would see them, so neither the kernel nor NumPy's views take it (``torch_views.plain_cpu``)."""
     _refuse_kernel(monkeypatch, "scan_forward", "")
     x, dt, A, B, C, D, initial = _scan_args(8, b=1, l=40, h=4, p=8, g=1, n=6, D="per head", initial=True)
     negated = torch._neg_view(-x)  # x's values, -x in memory
