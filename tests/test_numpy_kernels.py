@@ -1,9 +1,10 @@
-"""NumPy's compiled kernels (portable_ssm.backends.numpy.kernels): the conv with SiLU and the gated
-RMSNorm agree with the array-API references where they read their inputs in place from wider rows,
-over channel counts that are not a multiple of the vector width and rows split over the pool; the
-native paths take them only in float32 and while they are on; a failed build warns once and leaves
-NumPy's ufunc paths; the built library is cached and reused. The row product of a decode step with
-int8 and bfloat16 weights agrees with float64 and NumPy's tiles, and a step's row takes it."""
+"""NumPy's compiled kernels (portable_ssm.backends.numpy.kernels): the conv with SiLU, the gated
+RMSNorm and a gated MLP's SiLU agree with the array-API references where they read their inputs in
+place from wider rows, over channel counts that are not a multiple of the vector width and rows
+split over the pool; the native paths take them only in float32 and while they are on; a failed
+build warns once and leaves NumPy's ufunc paths; the built library is cached and reused. The row
+product of a decode step with int8 and bfloat16 weights agrees with float64 and NumPy's tiles, and a
+step's row takes it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from portable_ssm.backends.numpy import kernels, ops
 
 from portable_ssm import ssd
 from portable_ssm._array import silu
+from portable_ssm.blocks.mlp import MLPSpec, gated_activation_ref, hidden
 from portable_ssm.conv import causal_conv1d_ref
 from portable_ssm.norm import gated_rms_norm_ref
 
@@ -75,20 +77,53 @@ def test_norm_kernel_reads_wider_rows_in_place_and_agrees_with_the_reference(lib
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize(("rows", "f"), [(1, 8), (37, 13), (70, 24), (5, 2048)])
+def test_gated_silu_kernel_reads_wider_rows_in_place_and_agrees_with_the_reference(library, monkeypatch, rows, f):
+    rng = np.random.default_rng(rows + f)
+    wide = (4 * rng.standard_normal((rows, 2 * f + 9))).astype(np.float32)
+    u = wide[:, 3:3 + 2 * f]  # [rows, 2f] = [gate; up], rows 2f + 9 floats apart
+    u[0, :3] = (-100.0, 100.0, 0.0)  # gates where silu is about -0, the gate itself, and 0
+    results: list[np.ndarray | None] = []
+    fused = kernels.gated_silu
+    monkeypatch.setattr(kernels, "gated_silu", lambda *a: results.append(fused(*a)) or results[-1])
+    out = hidden(u, MLPSpec("silu", True), xp=nxp)
+    assert len(results) == 1 and results[0] is not None  # the kernel ran on the strided rows
+    assert out.dtype == np.float32 and out.shape == (rows, f)
+    np.testing.assert_allclose(out, gated_activation_ref(u.astype(np.float64), "silu", xp=nxp), rtol=2e-6, atol=2e-6)
+
+
+def test_gated_silu_kernel_keeps_a_nan_in_its_own_unit_bit_for_bit(library):
+    """A nan in a gate or an up unit reaches that unit's output only; every other output is unchanged
+    to the bit."""
+    u = np.random.default_rng(7).standard_normal((40, 2 * 19)).astype(np.float32)
+    clean = kernels.gated_silu(u)
+    poisoned = u.copy()
+    poisoned[3, 5] = np.nan  # a gate
+    poisoned[30, 19 + 11] = np.nan  # an up unit
+    out = kernels.gated_silu(poisoned)
+    assert np.isnan(out[3, 5]) and np.isnan(out[30, 11])
+    assert (~(out == clean)).sum() == 2
+
+
 def test_native_paths_take_the_kernels_only_in_float32_and_while_they_are_on(library, monkeypatch):
     calls: list[str] = []
-    for name in ("conv_silu", "gated_rms_norm"):
+    for name in ("conv_silu", "gated_rms_norm", "gated_silu"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
     x, w, bias, state = conv_inputs(1, 20, 8, 4, seed=0)
     rows = x[0]
     ops.causal_conv1d_silu(x, w, bias, state)
     ops.gated_rms_norm(rows, rows, w[:, 0], 1, 1e-5)
-    assert calls == ["conv_silu", "gated_rms_norm"]
+    ops.gated_activation(rows, "silu")
+    ops.gated_activation(rows, "relu2")  # the reference's
+    assert calls == ["conv_silu", "gated_rms_norm", "gated_silu"]
     assert kernels.conv_silu(x.astype(np.float64), np.ascontiguousarray(w.T).astype(np.float64), None,
                              np.zeros((1, 3, 8))) is None
     assert kernels.gated_rms_norm(rows.astype(np.float64), None, w[:, 0].astype(np.float64), 1, 1e-5) is None
     assert kernels.gated_rms_norm(rows[:, ::2], None, w[::2, 0], 1, 1e-5) is None  # channels not contiguous
+    assert kernels.gated_silu(rows.astype(np.float64)) is None
+    np.testing.assert_array_equal(ops.gated_activation(rows.astype(np.float64), "silu"),
+                                  gated_activation_ref(rows.astype(np.float64), "silu", xp=nxp))
     monkeypatch.setenv(ENV, "0")
     assert kernels.library() is None
     assert kernels.conv_silu(x, np.ascontiguousarray(w.T), bias, np.zeros((1, 3, 8), np.float32)) is None

@@ -92,6 +92,12 @@ void portable_ssm_gated_rms_norm(const float* y, int64_t ys, const float* z, int
   norm_rows(y, ys, z, zs, w, out, d, m, eps, begin, end);
 }
 
+// Rows [begin, end) of out [rows, f] = silu(gate)·up, a gated MLP's hidden units, for u's rows
+// us floats apart, each [gate; up] of f channels apiece (channels contiguous).
+void portable_ssm_gated_silu(const float* u, int64_t us, float* out, int64_t f, int64_t begin, int64_t end) {
+  for (int64_t row = begin; row < end; ++row) gate_row(u + row * us + f, u + row * us, out + row * f, nullptr, f);
+}
+
 // Rows [begin, end) of y [rows] = (w [rows, n] @ x [n]) · scale [rows] (scale null: none), w's kind
 // 1: int8, 2: bfloat16 bits (uint16), all contiguous.
 void portable_ssm_row_product(const void* w, int64_t kind, const float* x, const float* scale, float* y, int64_t n,

@@ -1,5 +1,5 @@
-"""NumPy's compiled kernels: the float32 conv with SiLU, the gated RMSNorm, the chunked scan and a
-decode step's product with a quantized weight.
+"""NumPy's compiled kernels: the float32 conv with SiLU, the gated RMSNorm, a gated MLP's SiLU, the
+chunked scan and a decode step's product with a quantized weight.
 
 NumPy's ufuncs make one pass over a tile per operation: the tiled conv with SiLU of :mod:`.ops`
 takes about a dozen, the norm about ten, the scan's loop about twenty per group of chunks, and at
@@ -82,6 +82,7 @@ _SIGNATURES = {
                                _INT],
     "portable_ssm_gated_rms_norm": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, ctypes.c_double,
                                     _INT, _INT],
+    "portable_ssm_gated_silu": [_POINTER, _INT, _POINTER, _INT, _INT, _INT],
     "portable_ssm_scan_forward": [_POINTER, _POINTER, ctypes.c_double, _INT, _INT],
     "portable_ssm_row_product": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "portable_ssm_decode_model": [_POINTER, _POINTER, ctypes.c_double, ctypes.c_double, ctypes.c_double, _INT],
@@ -269,6 +270,23 @@ def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, grou
     run_all(lambda part: lib.portable_ssm_gated_rms_norm(
         y.ctypes.data, y.strides[0] // 4, None if z is None else z.ctypes.data, 0 if z is None else z.strides[0] // 4,
         weight.ctypes.data, out.ctypes.data, d, d // groups, eps, part[0], part[1]), row_ranges(rows, MIN_ROWS))
+    return out
+
+
+def gated_silu(u: np.ndarray) -> np.ndarray | None:
+    """``silu(gate) · up`` of a gated MLP's up projection ``u [rows, 2f]`` (each row ``[gate; up]``,
+    channels contiguous, rows read in place) -> ``[rows, f]`` float32, in one pass over u (NumPy's
+    ufuncs take five, one thread); None where the kernels are not usable or u is not float32 laid
+    out as they read it."""
+    lib = library()
+    if lib is None or not _float32_channels(u):
+        return None
+    rows, f = u.shape[0], u.shape[1] // 2
+    out = np.empty((rows, f), dtype=np.float32)
+    if out.size == 0:
+        return out
+    run_all(lambda part: lib.portable_ssm_gated_silu(u.ctypes.data, u.strides[0] // 4, out.ctypes.data, f, part[0],
+                                                     part[1]), row_ranges(rows, MIN_ROWS))
     return out
 
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from .._array import Array, Namespace, compute_dtype, silu
+from ..backends import fast_op
 from ..mixer import _linear
 
 #: The activations an MLP may use, by transformers' ``hidden_act`` / ``mlp_hidden_act`` names.
@@ -54,8 +55,15 @@ def hidden(u: Array, spec: MLPSpec, *, xp: Namespace) -> Array:
     u = xp.astype(u, compute_dtype(xp, u.dtype), copy=False)
     if not spec.gated:
         return activation(u, spec.act, xp=xp)
+    native = fast_op(xp, "gated_activation")
+    return gated_activation_ref(u, spec.act, xp=xp) if native is None else native(u, spec.act)
+
+
+def gated_activation_ref(u: Array, act: str, *, xp: Namespace) -> Array:
+    """``act(gate) · up`` of ``u [..., 2f]`` packed ``[gate; up]`` -> ``[..., f]``: the reference of
+    a backend's ``fast_op(xp, "gated_activation")`` (NumPy's one-pass SiLU kernel)."""
     f = u.shape[-1] // 2
-    return activation(u[..., :f], spec.act, xp=xp) * u[..., f:]
+    return activation(u[..., :f], act, xp=xp) * u[..., f:]
 
 
 def mlp(x: Array, p: dict[str, Array], spec: MLPSpec, *, xp: Namespace) -> Array:
