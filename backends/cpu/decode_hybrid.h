@@ -342,7 +342,7 @@ inline void decode_hybrid_run(const float* x0, int64_t d, const BlockView* block
   std::vector<Span> spans(products * threads);
 #pragma omp parallel num_threads(threads)
   {
-    Team team(spans.data(), omp_get_thread_num(), omp_get_num_threads());
+    Team team(spans.data(), spans.data() + spans.size(), omp_get_thread_num(), omp_get_num_threads());
     std::vector<float> residual(x0, x0 + d), normed(d), gated(w.mamba.inner), bc(w.mamba.bc), spare(w.mamba.window),
         scores(w.scores), rope(w.rope);
     MoeScratch own(w.experts, w.k);

@@ -166,14 +166,16 @@ constexpr uint64_t kMade = uint64_t{1} << 63;
 constexpr uint64_t kChunkMask = (uint64_t{1} << 31) - 1;
 
 // Thread t of a team of `size`, inside its parallel region, taking its part of the products every
-// thread of the team asks for in the same order (spans: `size` per product). Each thread starts on
+// thread of the team asks for in the same order (spans up to end: `size` per product; a product past
+// them runs as the static split, each thread its own share, so a short count costs balance, never
+// memory past the array). Each thread starts on
 // its static share of a product's rows, one stream through the weight from its front; a thread
 // whose share is done takes chunks from the backs of the others' shares, so where one thread falls
 // behind (a slower stream, its core taken away for a while) the others finish its rows instead of
 // waiting for it at the next barrier.
 class Team {
  public:
-  Team(Span* spans, int64_t t, int64_t size) : t(t), size(size), next_(spans) {}
+  Team(Span* spans, const Span* end, int64_t t, int64_t size) : t(t), size(size), next_(spans), end_(end) {}
 
   // y[r] = (w[r]·x)·scale[r] + bias[r] (bias null: none) for the rows of w this thread takes;
   // every row is written after the team's next barrier.
@@ -222,9 +224,14 @@ class Team {
   template <typename Run>
   void rows(int64_t height, const Run& run) {
     const int64_t chunks = (height + kChunkRows - 1) / kChunkRows;
+    const auto chunk = [&](int64_t c) { run(c * kChunkRows, std::min(height, (c + 1) * kChunkRows)); };
+    if (end_ - next_ < size) {  // no spans left: every thread its static share
+      const auto [f, b] = share(chunks, t, size, 1);
+      for (int64_t c = f; c < b; ++c) chunk(c);
+      return;
+    }
     Span* spans = next_;
     next_ += size;
-    const auto chunk = [&](int64_t c) { run(c * kChunkRows, std::min(height, (c + 1) * kChunkRows)); };
     for (int64_t c; (c = take(spans[t], chunks, t, true)) >= 0;) chunk(c);
     for (int64_t i = 1; i < size; ++i) {
       const int64_t other = (t + i) % size;
@@ -233,6 +240,7 @@ class Team {
   }
 
   Span* next_;  // the spans of this thread's next product
+  const Span* end_;  // one past the last
 };
 
 // One Mamba-2 mixer of a batch-1 step on thread t of a team of `team`, inside its parallel region:
@@ -304,7 +312,7 @@ inline void decode_model_run(const float* x0, int64_t d, const LayerView* views,
   std::vector<Span> spans((2 * layers + 1) * threads);
 #pragma omp parallel num_threads(threads)
   {
-    Team team(spans.data(), omp_get_thread_num(), omp_get_num_threads());
+    Team team(spans.data(), spans.data() + spans.size(), omp_get_thread_num(), omp_get_num_threads());
     std::vector<float> residual(x0, x0 + d), normed(d), gated(w.inner), bc(w.bc), spare(w.window);
     for (int64_t i = 0; i < layers; ++i) {
       if (i > 0) {
