@@ -212,10 +212,14 @@ def _checked_weight(name: str, w: Any, kind: str) -> Array:
     return w
 
 
+#: ``2^(max(e, 1) - 134)`` for every bfloat16 exponent field ``e`` in 0..255: ``(128 + mantissa)``
+#: times it is a normal number's value, ``mantissa`` times it a subnormal's.
+_BFLOAT16_POWERS = [2.0 ** (max(e, 1) - 134) for e in range(256)]
+
+
 def _bfloat16_powers(like: Array, *, xp: Namespace) -> Array:
-    """``2^(max(e, 1) - 134)`` for every bfloat16 exponent field ``e`` in 0..255, float32 ``[256]``:
-    ``(128 + mantissa)`` times it is a normal number's value, ``mantissa`` times it a subnormal's."""
-    return xp.asarray([2.0 ** (max(e, 1) - 134) for e in range(256)], dtype=xp.float32, device=device(like))
+    """:data:`_BFLOAT16_POWERS` as float32 ``[256]`` on ``like``'s device."""
+    return xp.asarray(_BFLOAT16_POWERS, dtype=xp.float32, device=device(like))
 
 
 def widen_bfloat16_bits(bits: Array, *, xp: Namespace) -> Array:
@@ -246,7 +250,15 @@ def dequantize(w: QuantizedWeight, *, xp: Namespace) -> Array:
 def take_rows(w: QuantizedWeight, ids: Array, *, xp: Namespace) -> Array:
     """Entries ``ids [k]`` along the first axis of the weight ``w`` stores, float32, widening only
     those: rows ``[k, in]`` of a matrix (the embedding lookup), or matrices ``[k, out, in]`` of a
-    stack (the MoE block's chosen experts)."""
+    stack (the MoE block's chosen experts). A backend may widen them natively
+    (``fast_op(xp, "take_rows")``, NumPy's bit shift: a decode step's embedding in one pass where
+    the standard functions take a dozen); :func:`take_rows_ref` is the reference it equals."""
+    native = fast_op(xp, "take_rows")
+    return take_rows_ref(w, ids, xp=xp) if native is None else native(w, ids)
+
+
+def take_rows_ref(w: QuantizedWeight, ids: Array, *, xp: Namespace) -> Array:
+    """:func:`take_rows` with the standard functions."""
     scale = None if w.scale is None else xp.take(w.scale, ids, axis=0)  # [k] or [k, out]
     return _widen_rows(w, xp.take(w.data, ids, axis=0), scale, xp=xp)
 

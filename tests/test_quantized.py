@@ -383,3 +383,21 @@ def test_a_quantized_weight_answers_with_its_own_storage_namespace_whatever_was_
         assert backend_name(namespace(w=on_numpy)) == "numpy" and backend_name(namespace(w=on_torch)) == "torch"
     with pytest.raises(TypeError, match="w is a torch array but v is a numpy array"):
         namespace(v=on_numpy, w=on_torch)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("stacked", [False, True], ids=["matrix rows", "stacked experts"])
+def test_numpy_take_rows_widens_the_chosen_entries_to_the_bit_of_the_reference(kind, stacked):
+    """The embedding lookup and a MoE block's chosen experts on NumPy (its ``take_rows`` fast op)
+    equal the standard functions' widening bit for bit, repeated and unordered ids included; the
+    bfloat16 weight holds every finite bit pattern's neighbourhood (subnormals, ±0, large values)."""
+    rng = np.random.default_rng(11)
+    shape = (6, 9, 40) if stacked else (64, 48)
+    w = (rng.standard_normal(shape) * 2.0 ** rng.integers(-140, 100, shape)).astype(np.float32)
+    q = ps.quantize({"lm_head.weight": w}, kind)["lm_head.weight"]
+    ids = np.array([3, 0, 3, 5])
+    xp = load("numpy").namespace()
+    native = fast_op(xp, "take_rows")
+    got, ref = native(q, ids), quantized.take_rows_ref(q, ids, xp=xp)
+    assert got.dtype == np.float32 and got.shape == ref.shape == (4, *shape[1:])
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))

@@ -32,7 +32,17 @@ from portable_ssm.blocks.moe import MoESpec
 from portable_ssm.stack import HybridConfig, HybridState
 
 from . import kernels
-from .decode import BYTES_PER_THREAD, LastPlan, _address, _aligned_empty, _float32, _weight, head_row, mamba_row
+from .decode import (
+    BYTES_PER_THREAD,
+    LastPlan,
+    _address,
+    _float32,
+    _weight,
+    addresses_of,
+    fresh_states,
+    head_row,
+    mamba_row,
+)
 from .threads import workers
 
 #: The MLP activations the kernel computes, by its number.
@@ -42,7 +52,7 @@ _HEADER, _MAMBA, _ATTN, _MLP, _MOE, _BLOCK = 10, 8, 11, 5, 6, 4
 _HEAD_POINTERS, _MAMBA_POINTERS, _ATTN_POINTERS = 5, 15, 15
 #: Per-call entries: a Mamba layer's state pointers (conv, ssm, new conv, new ssm), an attention
 #: layer's cache pointers (keys, values, valid) and sizes (m, slot, position).
-_MAMBA_SLOTS, _ATTN_SLOTS, _ATTN_SIZES = (1, 8, 9, 10), (12, 13, 14), (3, 4, 6)
+_MAMBA_SLOTS, _ATTN_SLOTS, _ATTN_SIZES = np.array((1, 8, 9, 10)), np.array((12, 13, 14)), np.array((3, 4, 6))
 
 
 @dataclass(frozen=True)
@@ -263,19 +273,19 @@ def decode_hybrid_hook(x: Any, state: HybridState, positions: Any, params: dict[
         return None
     slot, position = int(old.length[0]), int(old.seen[0])
     caches = [KVCache(_writable(kv.k, slot), _writable(kv.v, slot)) for kv in state.kv]
-    old_convs, old_ssms = ([np.ascontiguousarray(a) for a in group] for group in (state.conv, state.ssm))
+    old_convs, old_ssms = ([a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in group]
+                           for group in (state.conv, state.ssm))
     valid = np.ascontiguousarray(new.valid)
-    convs = [_aligned_empty(s) for s in model.conv_shapes]
-    ssms = [_aligned_empty(s) for s in model.ssm_shapes]
+    convs, ssms, fresh = fresh_states(model.conv_shapes, model.ssm_shapes)
     logits = np.empty((1, model.vocab), dtype=np.float32)
     sizes, pointers = model.sizes.copy(), model.pointers.copy()
     x = np.ascontiguousarray(x)
     pointers[0], pointers[4] = x.ctypes.data, logits.ctypes.data
-    for at, group in zip(model.mamba_at, zip(old_convs, old_ssms, convs, ssms)):
-        pointers[at + np.array(_MAMBA_SLOTS)] = [a.ctypes.data for a in group]
+    olds = np.stack([addresses_of(old_convs), addresses_of(old_ssms)], axis=1).reshape(-1, 2)  # [mamba layers, 2]
+    pointers[model.mamba_at[:, None] + _MAMBA_SLOTS] = np.concatenate([olds, fresh], axis=1)
     for (size_at, at), cache in zip(model.attn_at, caches):
-        pointers[at + np.array(_ATTN_SLOTS)] = [cache.k.ctypes.data, cache.v.ctypes.data, valid.ctypes.data]
-        sizes[size_at + np.array(_ATTN_SIZES)] = [m, slot, position]
+        pointers[at + _ATTN_SLOTS] = [cache.k.ctypes.data, cache.v.ctypes.data, valid.ctypes.data]
+        sizes[size_at + _ATTN_SIZES] = [m, slot, position]
     threads = max(1, min(workers(), model.weight_bytes // BYTES_PER_THREAD))
     kernels.library().portable_ssm_decode_hybrid(sizes.ctypes.data, pointers.ctypes.data, model.reals.ctypes.data,
                                                  threads)

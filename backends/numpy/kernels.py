@@ -48,6 +48,7 @@ import sys
 import tempfile
 import threading
 import warnings
+from functools import lru_cache
 from pathlib import Path
 
 import array_api_compat.numpy as xp
@@ -96,8 +97,10 @@ _LOCK = threading.Lock()
 _LOADED: dict[str, ctypes.CDLL | None] = {}  # per build (isa): the library or None, after its first attempt
 
 
+@lru_cache(maxsize=1)
 def _cpu_has_avx2() -> bool:
-    """Whether this is an x86-64 CPU with AVX2 and FMA, as NumPy's dispatcher found it."""
+    """Whether this is an x86-64 CPU with AVX2 and FMA, as NumPy's dispatcher found it (asked once:
+    every decode step asks for the library)."""
     try:
         from numpy._core._multiarray_umath import __cpu_features__ as features
     except ImportError:  # NumPy 1.x

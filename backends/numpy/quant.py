@@ -44,6 +44,18 @@ def widen_rows(data: np.ndarray, scale: np.ndarray | None, start: int, stop: int
     return np.multiply(data[start:stop], scale[start:stop, None], dtype=np.float32)
 
 
+def take_rows(w: Any, ids: np.ndarray) -> np.ndarray:
+    """``portable_ssm.quantized.take_rows_ref`` of NumPy arrays, to the bit: the entries ``ids [k]``
+    along the first axis of the storage of the ``QuantizedWeight`` ``w``, widened as
+    :func:`widen_rows` widens them."""
+    data = np.take(w.data, ids, axis=0)  # [k, in] or [k, out, in]
+    if data.dtype == np.uint16:
+        return (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if w.scale is None:
+        return data.astype(np.float32)
+    return np.multiply(data, np.take(w.scale, ids, axis=0)[..., None], dtype=np.float32)
+
+
 def tile_ranges(out: int, d_in: int) -> list[tuple[int, int]]:
     """``(start, stop)`` tiles of a weight's ``out`` rows of ``d_in`` values: as few as keep each tile's
     float32 under :data:`QUANT_TILE_BYTES`, of equal size (to a row)."""
