@@ -107,6 +107,29 @@ def test_numpy_whole_model_step_refusals_name_the_array(library):
         decode.decode_model(np.zeros((2, config.d_model), np.float32), list(state.conv), list(state.ssm), model)
 
 
+def test_a_step_takes_the_states_it_made_as_they_are_and_checks_any_other(library):
+    """A decode loop's state (the arrays the last step made) is recognised without a check per
+    array; copies of it, its arrays in another order or of another model's shapes are not, and
+    every one of them steps to the same floats as the loop's own state."""
+    config, params, token, state = _model("int8")
+    model = decode.plan(params, config)
+    x = np.random.default_rng(5).standard_normal((1, config.d_model)).astype(np.float32)
+    _, convs, ssms = decode.decode_model(x, *map(list, _contiguous(state)), model)
+    assert decode.made_addresses(convs, ssms, model.conv_shapes, model.ssm_shapes) is not None
+    copies = [[a.copy() for a in convs], [a.copy() for a in ssms]]
+    assert decode.made_addresses(*copies, model.conv_shapes, model.ssm_shapes) is None
+    assert decode.made_addresses(convs[::-1], ssms[::-1], model.conv_shapes, model.ssm_shapes) is None
+    other_config, other_params, _, _ = _model("int8", d_state=8)
+    other = decode.plan(other_params, other_config)
+    assert decode.made_addresses(convs, ssms, other.conv_shapes, other.ssm_shapes) is None
+    with pytest.raises(ValueError, match=r"conv_states\[0\]"):
+        decode.decode_model(x, convs, ssms, other)  # checked, refused by name
+    made = decode.decode_model(x, convs, ssms, model)
+    copied = decode.decode_model(x, *copies, model)
+    for a, b in zip((made[0], *made[1], *made[2]), (copied[0], *copied[1], *copied[2])):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_small_model_steps_on_one_thread_and_a_large_one_on_every_worker(library, monkeypatch):
     """The default thread count gives each thread at least BYTES_PER_THREAD of weights: a tiny
     model's step never waits at the three barriers a layer that splitting it would cost."""

@@ -41,6 +41,7 @@ from .decode import (
     addresses_of,
     fresh_states,
     head_row,
+    made_addresses,
     mamba_row,
 )
 from .threads import workers
@@ -260,12 +261,20 @@ def decode_hybrid_hook(x: Any, state: HybridState, positions: Any, params: dict[
     model = (known_plan if plans is None else plans)(params, config)
     m = state.max_len
     old, new = state.positions, positions
-    if model is None or len(state.conv) != len(model.conv_shapes) or len(state.kv) != len(model.attn_at):
+    if (model is None or len(state.conv) != len(model.conv_shapes) or len(state.ssm) != len(model.ssm_shapes)
+            or len(state.kv) != len(model.attn_at)):
         return None
     kv_shape = (1, model.kv_shape[0], m, model.kv_shape[1])
+    olds = made_addresses(state.conv, state.ssm, model.conv_shapes, model.ssm_shapes)  # [mamba layers, 2]
+    held: tuple[list[np.ndarray], ...] = ()  # contiguous copies the kernel reads: alive until it returns
+    if olds is None:
+        if not all(_shaped(a, np.float32, s) for a, s in (*zip(state.conv, model.conv_shapes),
+                                                          *zip(state.ssm, model.ssm_shapes))):
+            return None
+        held = tuple([a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in group]
+                     for group in (state.conv, state.ssm))
+        olds = np.stack([addresses_of(group) for group in held], axis=1).reshape(-1, 2)
     if not (_shaped(x, np.float32, (1, model.d_model))
-            and all(_shaped(a, np.float32, s) for a, s in (*zip(state.conv, model.conv_shapes),
-                                                           *zip(state.ssm, model.ssm_shapes)))
             and all(kv.conv is None and _shaped(kv.k, np.float32, kv_shape) and _shaped(kv.v, np.float32, kv_shape)
                     for kv in state.kv)
             and _shaped(new.valid, np.bool_, (1, m)) and _shaped(old.length, np.int64, (1,))
@@ -273,15 +282,12 @@ def decode_hybrid_hook(x: Any, state: HybridState, positions: Any, params: dict[
         return None
     slot, position = int(old.length[0]), int(old.seen[0])
     caches = [KVCache(_writable(kv.k, slot), _writable(kv.v, slot)) for kv in state.kv]
-    old_convs, old_ssms = ([a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in group]
-                           for group in (state.conv, state.ssm))
     valid = np.ascontiguousarray(new.valid)
     convs, ssms, fresh = fresh_states(model.conv_shapes, model.ssm_shapes)
     logits = np.empty((1, model.vocab), dtype=np.float32)
     sizes, pointers = model.sizes.copy(), model.pointers.copy()
     x = np.ascontiguousarray(x)
     pointers[0], pointers[4] = x.ctypes.data, logits.ctypes.data
-    olds = np.stack([addresses_of(old_convs), addresses_of(old_ssms)], axis=1).reshape(-1, 2)  # [mamba layers, 2]
     pointers[model.mamba_at[:, None] + _MAMBA_SLOTS] = np.concatenate([olds, fresh], axis=1)
     for (size_at, at), cache in zip(model.attn_at, caches):
         pointers[at + _ATTN_SLOTS] = [cache.k.ctypes.data, cache.v.ctypes.data, valid.ctypes.data]
