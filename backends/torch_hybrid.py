@@ -20,6 +20,7 @@ torch tensors sharing their memory (``torch.from_numpy``). One kernel for both b
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,22 @@ def _tensor(out: np.ndarray, given: np.ndarray, tensor: torch.Tensor) -> torch.T
     return tensor if out is given else torch.from_numpy(out)
 
 
+#: The state tensors the last fused step handed out and the NumPy arrays under them (weak
+#: references; one tuple, replaced whole): a decode loop handing them back gives NumPy's hook those
+#: very arrays, which it takes without a check or an address per array, instead of new views.
+_HANDED_OUT: tuple[tuple[weakref.ref, ...], tuple[weakref.ref, ...]] = ((), ())
+
+
+def _handed_back(tensors: tuple[torch.Tensor, ...]) -> list[np.ndarray] | None:
+    """The arrays under ``tensors`` where they are the very state tensors the last step handed out
+    (in order, all alive); None otherwise."""
+    tensor_refs, array_refs = _HANDED_OUT
+    if len(tensor_refs) != len(tensors) or not all(r() is t for r, t in zip(tensor_refs, tensors)):
+        return None
+    arrays = [r() for r in array_refs]
+    return None if any(a is None for a in arrays) else arrays
+
+
 def decode_hybrid(x: torch.Tensor, state: HybridState, positions: Positions, params: dict[str, Any],
                   config: HybridConfig) -> tuple[torch.Tensor, HybridState] | None:
     """The torch backend's ``decode_hybrid`` fast op (``HybridLM.step``): NumPy's
@@ -80,14 +97,15 @@ def decode_hybrid(x: torch.Tensor, state: HybridState, positions: Positions, par
         return None
     old = state.positions
     caches = [t for kv in state.kv for t in (kv.k, kv.v)]
-    tensors = (x, *state.conv, *state.ssm, *caches, old.valid, old.length, old.seen, *positions)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or any(kv.conv is not None for kv in state.kv):
+    mamba, rest = (*state.conv, *state.ssm), (*caches, old.valid, old.length, old.seen, *positions)
+    if not all(isinstance(t, torch.Tensor) for t in (x, *mamba, *rest)) or any(kv.conv is not None for kv in state.kv):
         return None
-    views = host_views(*tensors)
+    known = None if records_grad(*mamba) else _handed_back(mamba)  # a decode loop's state: its arrays
+    views = host_views(x, *(mamba if known is None else ()), *rest)
     if views is None:
         return None
-    x_np, *rest = views
-    parts = iter(rest)  # the views in the order of ``tensors``
+    x_np, *rest_np = views
+    parts = iter(rest_np if known is None else (*known, *rest_np))  # the views in the order of (mamba, rest)
     convs, ssms, kvs, before = (tuple(itertools.islice(parts, n)) for n in (len(state.conv), len(state.ssm),
                                                                              len(caches), 3))
     old_np, new_np = Positions(*before), Positions(*parts)
@@ -99,6 +117,9 @@ def decode_hybrid(x: torch.Tensor, state: HybridState, positions: Positions, par
     logits, stepped = out
     written = [t for kv in stepped.kv for t in (kv.k, kv.v)]
     new_caches = [_tensor(o, g, t) for o, g, t in zip(written, kvs, caches)]
+    new_convs, new_ssms = tuple(map(torch.from_numpy, stepped.conv)), tuple(map(torch.from_numpy, stepped.ssm))
+    global _HANDED_OUT
+    _HANDED_OUT = (tuple(map(weakref.ref, (*new_convs, *new_ssms))),
+                   tuple(map(weakref.ref, (*stepped.conv, *stepped.ssm))))
     return torch.from_numpy(logits), HybridState(
-        tuple(map(torch.from_numpy, stepped.conv)), tuple(map(torch.from_numpy, stepped.ssm)),
-        tuple(KVCache(k, v) for k, v in zip(new_caches[::2], new_caches[1::2])), positions)
+        new_convs, new_ssms, tuple(KVCache(k, v) for k, v in zip(new_caches[::2], new_caches[1::2])), positions)

@@ -163,6 +163,33 @@ def test_a_torch_state_stepped_twice_branches_without_changing_any_returned_stat
     assert all(x.k.data_ptr() != y.k.data_ptr() for x, y in zip(a.kv, b.kv))
 
 
+def test_a_torch_decode_loops_states_reach_numpy_as_the_arrays_under_them(monkeypatch):
+    """The states a step hands out, handed back, reach NumPy's hook as the very arrays its step
+    made (taken without a check per array); clones of them as new views; both step to the same
+    floats, and a state autograd would record never takes that path."""
+    lm, _ = _models("granite", "int8")
+    _, start = lm.prefill(torch.tensor([[3, 17, 5]]), max_len=12)
+    _, state = lm.step(torch.tensor([4]), start)
+    mamba = (*state.conv, *state.ssm)
+    arrays = torch_hybrid._handed_back(mamba)
+    assert arrays is not None and [a.ctypes.data for a in arrays] == [t.data_ptr() for t in mamba]
+    cloned = state._replace(conv=tuple(t.clone() for t in state.conv), ssm=tuple(t.clone() for t in state.ssm))
+    assert torch_hybrid._handed_back((*cloned.conv, *cloned.ssm)) is None
+    seen = []
+    hook = torch_hybrid.hybrid.decode_hybrid_hook
+    monkeypatch.setattr(torch_hybrid.hybrid, "decode_hybrid_hook",
+                        lambda x, given, *a, **kw: seen.append(given.ssm[0]) or hook(x, given, *a, **kw))
+    logits, after = lm.step(torch.tensor([9]), state)
+    clone_logits, clone_next = lm.step(torch.tensor([9]), cloned)
+    assert seen[0] is arrays[len(state.conv)] and seen[1] is not arrays[len(state.conv)]
+    torch.testing.assert_close(logits, clone_logits, rtol=0, atol=0)
+    for x, y in zip((*after.conv, *after.ssm), (*clone_next.conv, *clone_next.ssm)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    state.ssm[0].requires_grad_()
+    assert torch_hybrid.decode_hybrid(torch.zeros(1, CONFIGS["granite"].d_model), state, after.positions,
+                                      lm.params, lm.config) is None
+
+
 def test_tensors_autograd_records_take_the_reference_step(monkeypatch):
     lm, _ = _models("granite", "int8")
     _, state = lm.prefill(torch.tensor([[3, 17]]), max_len=6)
