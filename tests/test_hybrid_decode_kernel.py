@@ -128,9 +128,10 @@ def test_fused_step_attends_only_to_a_left_padded_rows_real_tokens():
         np.testing.assert_allclose(g, a, rtol=1e-4, atol=1e-4 * np.abs(a).max())
 
 
-@pytest.mark.parametrize("head_dim", [120, 64])  # 120: the 64-, 32-, 16- and 8-channel passes over the values
-def test_fused_attention_over_wide_heads_and_padded_blocks_of_slots_equals_the_array_api_step(head_dim):
-    config = replace(CONFIGS["granite"], attention=AttentionSpec(6, 2, head_dim, head_dim ** -0.5))
+@pytest.mark.parametrize("head_dim", [120, 64, 20])  # 120: the 64-, 32-, 16- and 8-channel passes; 20: 16 and 4 single
+@pytest.mark.parametrize("heads", [(6, 2), (10, 2), (4, 4)], ids=["3 a KV head", "5 a KV head", "1 a KV head"])
+def test_fused_attention_over_wide_heads_and_padded_blocks_of_slots_equals_the_array_api_step(head_dim, heads):
+    config = replace(CONFIGS["granite"], attention=AttentionSpec(*heads, head_dim, head_dim ** -0.5))
     lm = HybridLM(_params(config), config)
     rng = np.random.default_rng(head_dim)
     ids = rng.integers(0, config.vocab_size, (1, 21))
