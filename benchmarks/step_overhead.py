@@ -61,12 +61,13 @@ def _mamba2_130m(kind: str, steps: int) -> tuple[Iterator[Any], str]:
     import numpy as np
 
     import portable_ssm
+    from portable_ssm.generation import stream
 
     config = portable_ssm.Mamba2Config(d_model=768, n_layer=24, vocab_size=50280, d_state=128, headdim=64)
     params = portable_ssm.init_params(config)
     params = params if kind == "float32" else portable_ssm.quantize(params, kind)
     ids = np.arange(1, 9, dtype=np.int64)[None, :]
-    return portable_ssm.stream(ids, params, config=config, max_new_tokens=steps + 2), "portable_ssm_decode_model"
+    return stream(ids, params, config=config, max_new_tokens=steps + 2), "portable_ssm_decode_model"
 
 
 MODELS: dict[str, tuple[str, Callable[[str, int], tuple[Iterator[Any], str]]]] = {
