@@ -31,7 +31,7 @@ from portable_ssm.quantized import QuantizedWeight
 from portable_ssm.stack import HybridConfig, HybridState
 
 from .numpy import hybrid, kernels
-from .numpy.decode import LastPlan
+from .numpy.decode import LastPlan, referenced
 from .torch_views import host_views, numpy_views, records_grad
 
 
@@ -75,7 +75,7 @@ def _handed_back(tensors: tuple[torch.Tensor, ...]) -> list[np.ndarray] | None:
     """The arrays under ``tensors`` where they are the very state tensors the last step handed out
     (in order, all alive); None otherwise."""
     tensor_refs, array_refs = _HANDED_OUT
-    if len(tensor_refs) != len(tensors) or not all(r() is t for r, t in zip(tensor_refs, tensors)):
+    if not referenced(tensor_refs, tensors):
         return None
     arrays = [r() for r in array_refs]
     return None if any(a is None for a in arrays) else arrays

@@ -167,12 +167,16 @@ def plan(params: dict[str, Any], config: Mamba2Config) -> Plan:
 
 
 @lru_cache(maxsize=8)
-def _state_layout(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """Where each of ``shapes`` starts in one float32 buffer (every start a multiple of 16 floats:
-    64 bytes), its element count, and the buffer's floats."""
+def _state_layout(conv_shapes: tuple[tuple[int, ...], ...], ssm_shapes: tuple[tuple[int, ...], ...]) -> tuple[
+        tuple[tuple[int, ...], ...], tuple[int, ...], tuple[int, ...], int, np.ndarray]:
+    """One float32 buffer holding a conv and an ssm state of these shapes per layer, in that order:
+    the shapes in order, where each starts (a multiple of 16 floats: 64 bytes), its element count,
+    the buffer's floats, and the starts as ``uintp`` ``[2·layers]``."""
+    shapes = tuple(s for pair in zip(conv_shapes, ssm_shapes) for s in pair)
     counts = tuple(math.prod(s) for s in shapes)
     padded = [-(-n // 16) * 16 for n in counts]
-    return tuple(sum(padded[:i]) for i in range(len(shapes))), counts, sum(padded)
+    starts = tuple(sum(padded[:i]) for i in range(len(shapes)))
+    return shapes, starts, counts, sum(padded), np.array(starts, dtype=np.uintp)
 
 
 def fresh_states(conv_shapes: tuple[tuple[int, ...], ...],
@@ -181,12 +185,11 @@ def fresh_states(conv_shapes: tuple[tuple[int, ...], ...],
     starting on a 64-byte boundary (the kernel streams new states past the caches into them), as
     views of one buffer: one allocation a step, where one per array took about 5 µs each, a
     sixtieth of an int8 step's time; and their addresses ``[layers, 2]`` (conv, ssm)."""
-    shapes = tuple(s for pair in zip(conv_shapes, ssm_shapes) for s in pair)
-    starts, counts, total = _state_layout(shapes)
+    shapes, starts, counts, total, offsets = _state_layout(conv_shapes, ssm_shapes)
     buffer = np.empty(total + 16, dtype=np.float32)
     first = (-buffer.ctypes.data % 64) // 4
     views = [buffer[first + o:first + o + n].reshape(s) for o, n, s in zip(starts, counts, shapes)]
-    addresses = buffer.ctypes.data + 4 * (first + np.array(starts, dtype=np.uintp))  # [2·layers]
+    addresses = buffer.ctypes.data + 4 * (first + offsets)  # [2·layers]
     convs, ssms, addresses = views[0::2], views[1::2], addresses.reshape(-1, 2)  # [2·layers] -> [layers, 2]
     global _LAST_MADE
     _LAST_MADE = (conv_shapes, ssm_shapes, tuple(map(weakref.ref, convs)), tuple(map(weakref.ref, ssms)), addresses)
@@ -198,6 +201,11 @@ def fresh_states(conv_shapes: tuple[tuple[int, ...], ...],
 _LAST_MADE: tuple[Any, ...] = ((), (), (), (), np.empty((0, 2), dtype=np.uintp))
 
 
+def referenced(refs: tuple[weakref.ref, ...], objects: Any) -> bool:
+    """Whether ``objects`` are, in order, the very objects the weak references ``refs`` hold."""
+    return len(refs) == len(objects) and all(r() is o for r, o in zip(refs, objects))
+
+
 def made_addresses(conv_states: Any, ssm_states: Any, conv_shapes: tuple[tuple[int, ...], ...],
                    ssm_shapes: tuple[tuple[int, ...], ...]) -> np.ndarray | None:
     """The addresses ``[layers, 2]`` of ``conv_states`` and ``ssm_states`` where they are the very
@@ -206,12 +214,9 @@ def made_addresses(conv_states: Any, ssm_states: Any, conv_shapes: tuple[tuple[i
     ctypes address each (about a microsecond apiece, four dozen a step, several times that with
     the caches cold after a step); None otherwise."""
     convs, ssms, conv_refs, ssm_refs, addresses = _LAST_MADE
-    if (len(conv_refs) != len(conv_states) or len(ssm_refs) != len(ssm_states) or convs != conv_shapes
-            or ssms != ssm_shapes):
-        return None
-    if all(r() is a for r, a in zip(conv_refs, conv_states)) and all(r() is a for r, a in zip(ssm_refs, ssm_states)):
-        return addresses
-    return None
+    same = (convs == conv_shapes and ssms == ssm_shapes and referenced(conv_refs, conv_states)
+            and referenced(ssm_refs, ssm_states))
+    return addresses if same else None
 
 
 def addresses_of(arrays: list[np.ndarray]) -> np.ndarray:

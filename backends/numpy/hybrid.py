@@ -273,7 +273,7 @@ def decode_hybrid_hook(x: Any, state: HybridState, positions: Any, params: dict[
             return None
         held = tuple([a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in group]
                      for group in (state.conv, state.ssm))
-        olds = np.stack([addresses_of(group) for group in held], axis=1).reshape(-1, 2)
+        olds = np.stack([addresses_of(group) for group in held], axis=1)  # [mamba layers, 2]
     if not (_shaped(x, np.float32, (1, model.d_model))
             and all(kv.conv is None and _shaped(kv.k, np.float32, kv_shape) and _shaped(kv.v, np.float32, kv_shape)
                     for kv in state.kv)

@@ -8,7 +8,9 @@
   GEMM as :func:`.ops.linear` does it (the rows split over the thread pool), so no float32 copy of a
   large matrix (an LM head) is made. One float32 row (a batch-1 decode step) goes through the
   compiled row product instead (:func:`.kernels.row_product`), which widens each weight as it
-  reads it. torch's many-row product on CPU widens its tiles here too.
+  reads it. torch's many-row product on CPU widens its tiles here too;
+- :func:`take_rows`: the entries of a quantized weight an embedding lookup or a MoE block's choice
+  takes, widened as those tiles are (:func:`widen`).
 """
 
 from __future__ import annotations
@@ -35,25 +37,25 @@ def bfloat16_bits(x: np.ndarray) -> np.ndarray:
     return (rounded >> np.uint32(16)).astype(np.uint16)
 
 
-def widen_rows(data: np.ndarray, scale: np.ndarray | None, start: int, stop: int) -> np.ndarray:
-    """Rows ``start:stop`` of a quantized weight's storage ``data [out, in]`` (int8, or bfloat16 bits as
-    ``uint16``) as float32 ``[stop - start, in]``: int8 times its row ``scale [out]`` (one rounding,
-    as the reference's ``astype(q, float32) * scale``), bfloat16 bits as the high half of a float32."""
+def widen(data: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """A quantized weight's storage ``data [..., in]`` (int8, or bfloat16 bits as ``uint16``) as
+    float32: int8 times its row scales ``scale [...]`` (one rounding, as the reference's
+    ``astype(q, float32) * scale``), bfloat16 bits as the high half of a float32."""
     if data.dtype == np.uint16:
-        return (data[start:stop].astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return np.multiply(data[start:stop], scale[start:stop, None], dtype=np.float32)
+        return (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return np.multiply(data, scale[..., None], dtype=np.float32)
+
+
+def widen_rows(data: np.ndarray, scale: np.ndarray | None, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of ``data [out, in]`` (scales ``[out]``) widened: float32 ``[stop - start, in]``."""
+    return widen(data[start:stop], None if scale is None else scale[start:stop])
 
 
 def take_rows(w: Any, ids: np.ndarray) -> np.ndarray:
     """``portable_ssm.quantized.take_rows_ref`` of NumPy arrays, to the bit: the entries ``ids [k]``
-    along the first axis of the storage of the ``QuantizedWeight`` ``w``, widened as
-    :func:`widen_rows` widens them."""
-    data = np.take(w.data, ids, axis=0)  # [k, in] or [k, out, in]
-    if data.dtype == np.uint16:
-        return (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    if w.scale is None:
-        return data.astype(np.float32)
-    return np.multiply(data, np.take(w.scale, ids, axis=0)[..., None], dtype=np.float32)
+    along the first axis of the storage of the ``QuantizedWeight`` ``w`` (rows ``[k, in]`` or
+    matrices ``[k, out, in]``), widened."""
+    return widen(np.take(w.data, ids, axis=0), None if w.scale is None else np.take(w.scale, ids, axis=0))
 
 
 def tile_ranges(out: int, d_in: int) -> list[tuple[int, int]]:
