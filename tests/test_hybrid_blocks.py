@@ -203,3 +203,25 @@ def test_specs_refuse_bad_fields_by_name():
         MLPSpec("tanh", False)
     with pytest.raises(ValueError, match="top_k"):
         MoESpec(4, 5, "softmax", MLPSpec("silu", True))
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_a_later_tokens_nan_value_never_reaches_an_earlier_query(xp, poison):
+    """Token 70's value holds a NaN (or inf) in one channel: the queries before it are the clean run's
+    to the bit and finite, those after it non-finite in that channel only (on NumPy also through the
+    blocked prefill path, whose softmax runs in the kernel or in ufuncs)."""
+    from portable_ssm.blocks.attention import attend
+
+    rng = np.random.default_rng(5)
+    b, h, kv, l, hd = 1, 4, 2, 96, 8
+    q, k, v = (rng.standard_normal((b, n, l, hd)).astype(np.float32) for n in (h, kv, kv))
+    causal = np.broadcast_to(np.tril(np.ones((l, l), bool))[None], (b, l, l)).copy()
+    poisoned = v.copy()
+    poisoned[0, 1, 70, 3] = poison
+    args = [xp.asarray_from(a) for a in (q, k, v, causal)]
+    clean = xp.numpy(xp.call(attend, *args, 0.5, xp=xp.namespace))
+    args[2] = xp.asarray_from(poisoned)
+    got = xp.numpy(xp.call(attend, *args, 0.5, xp=xp.namespace))
+    np.testing.assert_array_equal(got[:, :, :70], clean[:, :, :70])
+    assert np.isfinite(got[:, :2]).all()  # the other KV head's query heads
+    assert (~np.isfinite(got[0, 2:, 70:])).all(axis=(0, 1)).tolist() == [c == 3 for c in range(hd)]

@@ -248,8 +248,9 @@ def attention(x: Array, p: dict[str, Array], spec: AttentionSpec, cache: KVCache
 def attend(q: Array, k: Array, v: Array, visible: Array, scale: float, *, xp: Namespace) -> Array:
     """``softmax(scale·q·kᵀ where visible) · v`` with grouped heads: ``q [b, h, l, hd]``, ``k, v
     [b, kv, m, hd]``, ``visible [b, l, m]`` -> ``[b, h, l, hd]`` in q's dtype. A query with no
-    visible slot (left padding) spreads evenly, as transformers' additive mask does: finite, never NaN
-    (nor is a NaN in a slot no query sees, e.g. one a later step of another branch wrote, read)."""
+    visible slot (left padding) spreads evenly, as transformers' additive mask does: finite, never NaN.
+    A NaN or inf value reaches only the queries that see its slot: never an earlier token's, nor any
+    query's from a slot none sees (e.g. one a later step of another branch wrote)."""
     native = fast_op(xp, "attend")
     fused = None if native is None else native(q, k, v, visible, scale)
     if fused is not None:  # blocked over tiles of queries (a prefill's); this function is its reference
@@ -265,9 +266,13 @@ def attend(q: Array, k: Array, v: Array, visible: Array, scale: float, *, xp: Na
     scores = scores - xp.max(scores, axis=-1, keepdims=True)
     weights = xp.exp(scores)
     weights = weights / xp.sum(weights, axis=-1, keepdims=True)
-    seen = xp.any(visible, axis=1)[:, None, None, :, None]  # [b, m] -> [b, 1, 1, m, 1]: slots some query sees
-    vc = xp.where(seen, vc, xp.zeros_like(vc))  # an unseen slot's value (a NaN, a later branch's) weighs exactly 0
-    out = xp.matmul(weights, vc)  # [b, kv, rep, l, hd]
+    # A slot's NaN or inf value reaches only the queries that weigh the slot: a product with it would
+    # give an earlier query a later token's NaN (0·NaN), so the values are multiplied finite, and the
+    # queries that weigh a non-finite one take the plain product, which holds it.
+    finite = xp.isfinite(vc)  # [b, kv, 1, m, hd]
+    out = xp.matmul(weights, xp.where(finite, vc, xp.zeros_like(vc)))  # [b, kv, rep, l, hd]
+    reach = xp.matmul(xp.astype(weights > 0, cdtype), xp.astype(~finite, cdtype))  # [b, kv, rep, l, hd]
+    out = xp.where(reach > 0, xp.matmul(weights, vc), out)
     return xp.astype(xp.reshape(out, (b, h, l, hd)), q.dtype)  # [b, kv, rep, l, hd] -> [b, h, l, hd]
 
 
