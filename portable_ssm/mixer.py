@@ -101,11 +101,15 @@ def _ssm_params(p: dict[str, Array], c: Mamba2Config, cdtype: Any, *, xp: Namesp
 
 
 def _gate(y: Array, z: Array | None, dtype: Any, *, xp: Namespace) -> Array:
-    """``y · silu(z)`` in the compute dtype, returned in ``dtype`` (``z=None``: y itself, cast)."""
+    """``y · silu(z)`` in the compute dtype, returned in ``dtype`` (``z=None``: y itself, cast); the
+    backend's ``fast_op(xp, "silu_gate")`` (NumPy's one-pass kernel) where it takes the arrays."""
     cdtype = compute_dtype(xp, dtype)
     v = xp.astype(y, cdtype, copy=False)
     if z is not None:
-        v = v * silu(xp.astype(z, cdtype, copy=False), xp=xp)
+        z = xp.astype(z, cdtype, copy=False)
+        native = fast_op(xp, "silu_gate")
+        fused = None if native is None else native(v, z)
+        v = v * silu(z, xp=xp) if fused is None else fused
     return xp.astype(v, dtype, copy=False)
 
 

@@ -236,20 +236,49 @@ def _attention_case(seed: int, b: int, h: int, kv: int, l: int, m: int, hd: int 
 
 
 @pytest.mark.parametrize("b, h, kv, l, m", [(1, 6, 2, 200, 200), (2, 4, 1, 130, 300), (1, 3, 3, 64, 90)])
-def test_blocked_attention_equals_the_reference(b, h, kv, l, m, monkeypatch):
+@pytest.mark.parametrize("softmax", ["kernel", "ufuncs"])
+def test_blocked_attention_equals_the_reference(b, h, kv, l, m, softmax, monkeypatch):
     from portable_ssm.backends.numpy import attention as blocked
 
     from portable_ssm.blocks.attention import attend
 
     monkeypatch.setattr(blocked, "SCORE_BYTES", 4096)  # many tiles, a partial last one
+    calls: list[bool] = []
+    native = kernels.masked_softmax
+    monkeypatch.setattr(kernels, "masked_softmax", lambda *a: calls.append(True) or (
+        native(*a) if softmax == "kernel" else None))
     q, k, v, visible = _attention_case(0, b, h, kv, l, m)
     xp = numpy_backend.namespace()
     got = blocked.attend(q, k, v, visible, 0.3)
+    assert len(calls) > b * kv  # every tile asked
     with pytest.MonkeyPatch.context() as patch:
         patch.delitem(numpy_backend.FAST_OPS, "attend")
         want = attend(q, k, v, visible, 0.3, xp=xp)
     assert got is not None and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("softmax", ["kernel", "ufuncs"])
+def test_blocked_attention_gives_a_nan_value_to_the_queries_that_see_it_only(softmax, monkeypatch):
+    from portable_ssm.backends.numpy import attention as blocked
+
+    from portable_ssm.blocks.attention import attend
+
+    monkeypatch.setattr(blocked, "SCORE_BYTES", 4096)  # tiles of 8 queries: the NaN's tile and later ones
+    if softmax == "ufuncs":
+        monkeypatch.setattr(kernels, "masked_softmax", lambda *a: None)
+    q, k, v, visible = _attention_case(2, 2, 6, 2, 130, 300)
+    first = [int(np.flatnonzero(visible[i, 0])[-1]) for i in range(2)]  # each row's first query's own slot
+    assert first[1] + 130 < 300
+    v[0, 1, first[0] + 50, 5] = np.nan  # row 0, query 50's token's value
+    v[1, 0, first[1] + 130, 0] = np.inf  # row 1: a slot past its tokens, which no query sees
+    got = blocked.attend(q, k, v, visible, 0.3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delitem(numpy_backend.FAST_OPS, "attend")
+        want = attend(q, k, v, visible, 0.3, xp=numpy_backend.namespace())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # NaN where the reference has NaN
+    bad = ~np.isfinite(got)
+    assert bad[0, 3:, 50:, 5].all() and bad.sum() == 3 * 80  # row 0, KV head 1's heads, from query 50, channel 5
 
 
 def test_blocked_attention_leaves_short_and_padded_queries_to_the_reference():

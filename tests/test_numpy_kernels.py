@@ -1,10 +1,10 @@
 """NumPy's compiled kernels (portable_ssm.backends.numpy.kernels): the conv with SiLU, the gated
-RMSNorm and a gated MLP's SiLU agree with the array-API references where they read their inputs in
-place from wider rows, over channel counts that are not a multiple of the vector width and rows
-split over the pool; the native paths take them only in float32 and while they are on; a failed
-build warns once and leaves NumPy's ufunc paths; the built library is cached and reused. The row
-product of a decode step with int8 and bfloat16 weights agrees with float64 and NumPy's tiles, and a
-step's row takes it."""
+RMSNorm, a gated MLP's SiLU and the mixer's SiLU gate agree with the array-API references where they
+read their inputs in place from wider rows, over channel counts that are not a multiple of the
+vector width and rows split over the pool; the native paths take them only in float32 and while they
+are on; a failed build warns once and leaves NumPy's ufunc paths; the built library is cached and
+reused. The row product of a decode step with int8 and bfloat16 weights agrees with float64 and
+NumPy's tiles, and a step's row takes it."""
 
 from __future__ import annotations
 
@@ -105,9 +105,35 @@ def test_gated_silu_kernel_keeps_a_nan_in_its_own_unit_bit_for_bit(library):
     assert (~(out == clean)).sum() == 2
 
 
+@pytest.mark.parametrize(("lead", "f"), [((1, 1), 8), ((2, 37), 13), ((3, 70), 24)])
+def test_silu_gate_kernel_reads_a_slice_of_wider_rows_and_agrees_with_the_reference(library, monkeypatch, lead, f):
+    """The mixer's ``y · silu(z)`` without a norm (Falcon-H1's): z a slice of in_proj's wider rows."""
+    from portable_ssm.mixer import _gate
+
+    rng = np.random.default_rng(f)
+    y = (4 * rng.standard_normal((*lead, f))).astype(np.float32)
+    z = (4 * rng.standard_normal((*lead, 2 * f + 9))).astype(np.float32)[..., 3:3 + f]  # rows 2f + 9 floats apart
+    z[0, 0, :3] = (-100.0, 100.0, 0.0)
+    results: list[np.ndarray | None] = []
+    fused = kernels.silu_gate
+    monkeypatch.setattr(kernels, "silu_gate", lambda *a: results.append(fused(*a)) or results[-1])
+    out = _gate(y, z, np.float32, xp=nxp)
+    assert len(results) == 1 and results[0] is not None and not np.shares_memory(results[0], z)
+    assert out.dtype == np.float32 and out.shape == y.shape
+    want = y.astype(np.float64) * silu(z.astype(np.float64), xp=nxp)
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=2e-6)
+    with monkeypatch.context() as off:
+        off.setattr(kernels, "silu_gate", lambda *a: None)
+        np.testing.assert_array_equal(_gate(y, z, np.float32, xp=nxp), y * silu(z, xp=nxp))  # declined: the reference
+    poisoned = y.copy()
+    poisoned[-1, -1, 2] = np.nan
+    again = _gate(poisoned, z, np.float32, xp=nxp)
+    assert np.isnan(again[-1, -1, 2]) and np.isnan(again).sum() == 1
+
+
 def test_native_paths_take_the_kernels_only_in_float32_and_while_they_are_on(library, monkeypatch):
     calls: list[str] = []
-    for name in ("conv_silu", "gated_rms_norm", "gated_silu"):
+    for name in ("conv_silu", "gated_rms_norm", "gated_silu", "silu_gate"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
     x, w, bias, state = conv_inputs(1, 20, 8, 4, seed=0)
@@ -116,7 +142,8 @@ def test_native_paths_take_the_kernels_only_in_float32_and_while_they_are_on(lib
     ops.gated_rms_norm(rows, rows, w[:, 0], 1, 1e-5)
     ops.gated_activation(rows, "silu")
     ops.gated_activation(rows, "relu2")  # the reference's
-    assert calls == ["conv_silu", "gated_rms_norm", "gated_silu"]
+    assert ops.silu_gate(rows.astype(np.float64), rows.astype(np.float64)) is None  # no call: the reference's
+    assert calls == ["conv_silu", "gated_rms_norm", "gated_silu", "silu_gate"]
     assert kernels.conv_silu(x.astype(np.float64), np.ascontiguousarray(w.T).astype(np.float64), None,
                              np.zeros((1, 3, 8))) is None
     assert kernels.gated_rms_norm(rows.astype(np.float64), None, w[:, 0].astype(np.float64), 1, 1e-5) is None

@@ -92,10 +92,61 @@ void portable_ssm_gated_rms_norm(const float* y, int64_t ys, const float* z, int
   norm_rows(y, ys, z, zs, w, out, d, m, eps, begin, end);
 }
 
-// Rows [begin, end) of out [rows, f] = silu(gate)·up, a gated MLP's hidden units, for u's rows
-// us floats apart, each [gate; up] of f channels apiece (channels contiguous).
-void portable_ssm_gated_silu(const float* u, int64_t us, float* out, int64_t f, int64_t begin, int64_t end) {
-  for (int64_t row = begin; row < end; ++row) gate_row(u + row * us + f, u + row * us, out + row * f, nullptr, f);
+// Rows [begin, end) of out [rows, f] = y·silu(z) (a gated MLP's hidden units: y its up, z its
+// gate), y's rows ys floats apart and z's zs, channels contiguous.
+void portable_ssm_silu_gate(const float* y, int64_t ys, const float* z, int64_t zs, float* out, int64_t f,
+                            int64_t begin, int64_t end) {
+  for (int64_t row = begin; row < end; ++row) gate_row(y + row * ys, z + row * zs, out + row * f, nullptr, f);
+}
+
+// Each row r of s [rows, cols] (contiguous) of attention scores becomes its unnormalized softmax:
+// exp(scale·s - top) in the columns the row sees and exactly 0 in the others, top the row's largest
+// scale·s among those it sees; inv[r] = 1 / the row's sum. Every row sees the columns below `first`;
+// column c >= first is seen by row r where visible[(r % period)·ld + c - first] != 0 (bools).
+void portable_ssm_masked_softmax(float* s, int64_t rows, int64_t cols, float scale, const uint8_t* visible,
+                                 int64_t ld, int64_t period, int64_t first, float* inv) {
+  const int64_t open = std::min(first, cols) / 8 * 8;  // [0, open): vectors every row sees
+  const int64_t masked = std::min(cols, (first + 7) / 8 * 8);  // [open, masked): one at a time; then masked vectors
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * cols;
+    const uint8_t* mask = visible + (r % period) * ld - first;  // mask[c] for columns c >= first
+    const auto sees = [&](int64_t c) { return c < first || mask[c] != 0; };
+    const auto lanes = [&](int64_t c) {  // the eight columns from c >= first that the row sees, as lanes
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mask + c)));
+      return _mm256_castsi256_ps(_mm256_cmpgt_epi32(bytes, _mm256_setzero_si256()));
+    };
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    int64_t c = 0;
+    for (; c < open; c += 8) top8 = _mm256_max_ps(top8, _mm256_mul_ps(_mm256_loadu_ps(row + c), vscale));
+    for (c = masked; c + 8 <= cols; c += 8) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(row + c), vscale);
+      top8 = _mm256_max_ps(top8, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, lanes(c)));
+    }
+    float top = horizontal_max(top8);
+    for (int64_t j = open; j < masked; ++j) top = sees(j) ? std::max(top, row[j] * scale) : top;
+    for (int64_t j = c; j < cols; ++j) top = sees(j) ? std::max(top, row[j] * scale) : top;
+    const __m256 vtop = _mm256_set1_ps(top);  // a NaN score drops out of top but not out of its exp
+    __m256 acc = _mm256_setzero_ps();
+    for (c = 0; c < open; c += 8) {
+      const __m256 e = exp8_nan(_mm256_fmsub_ps(_mm256_loadu_ps(row + c), vscale, vtop));
+      _mm256_storeu_ps(row + c, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    for (c = masked; c + 8 <= cols; c += 8) {
+      const __m256 e = _mm256_and_ps(exp8_nan(_mm256_fmsub_ps(_mm256_loadu_ps(row + c), vscale, vtop)), lanes(c));
+      _mm256_storeu_ps(row + c, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    float total = horizontal_sum(acc);
+    const auto one = [&](int64_t j) {
+      row[j] = sees(j) ? std::exp(row[j] * scale - top) : 0.f;
+      total += row[j];
+    };
+    for (int64_t j = open; j < masked; ++j) one(j);
+    for (int64_t j = c; j < cols; ++j) one(j);
+    inv[r] = 1.f / total;
+  }
 }
 
 // Rows [begin, end) of y [rows] = (w [rows, n] @ x [n]) · scale [rows] (scale null: none), w's kind

@@ -83,7 +83,8 @@ _SIGNATURES = {
                                _INT],
     "portable_ssm_gated_rms_norm": [_POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, ctypes.c_double,
                                     _INT, _INT],
-    "portable_ssm_gated_silu": [_POINTER, _INT, _POINTER, _INT, _INT, _INT],
+    "portable_ssm_silu_gate": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, _INT],
+    "portable_ssm_masked_softmax": [_POINTER, _INT, _INT, ctypes.c_float, _POINTER, _INT, _INT, _INT, _POINTER],
     "portable_ssm_scan_forward": [_POINTER, _POINTER, ctypes.c_double, _INT, _INT],
     "portable_ssm_row_product": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
     "portable_ssm_decode_model": [_POINTER, _POINTER, ctypes.c_double, ctypes.c_double, ctypes.c_double, _INT],
@@ -276,21 +277,49 @@ def gated_rms_norm(y: np.ndarray, z: np.ndarray | None, weight: np.ndarray, grou
     return out
 
 
-def gated_silu(u: np.ndarray) -> np.ndarray | None:
-    """``silu(gate) · up`` of a gated MLP's up projection ``u [rows, 2f]`` (each row ``[gate; up]``,
-    channels contiguous, rows read in place) -> ``[rows, f]`` float32, in one pass over u (NumPy's
-    ufuncs take five, one thread); None where the kernels are not usable or u is not float32 laid
-    out as they read it."""
+def silu_gate(y: np.ndarray, z: np.ndarray) -> np.ndarray | None:
+    """``y · silu(z)`` of ``y, z [rows, f]`` (channels contiguous, rows read in place where they are
+    apart) -> ``[rows, f]`` float32, in one pass over both workers (NumPy's ufuncs take five, one
+    thread); None where the kernels are not usable or an input is not float32 laid out as they read it."""
     lib = library()
-    if lib is None or not _float32_channels(u):
+    if lib is None or y.ndim != 2 or y.shape != z.shape or not (_float32_channels(y) and _float32_channels(z)):
         return None
-    rows, f = u.shape[0], u.shape[1] // 2
+    rows, f = y.shape
     out = np.empty((rows, f), dtype=np.float32)
     if out.size == 0:
         return out
-    run_all(lambda part: lib.portable_ssm_gated_silu(u.ctypes.data, u.strides[0] // 4, out.ctypes.data, f, part[0],
-                                                     part[1]), row_ranges(rows, MIN_ROWS))
+    run_all(lambda part: lib.portable_ssm_silu_gate(y.ctypes.data, y.strides[0] // 4, z.ctypes.data, z.strides[0] // 4,
+                                                    out.ctypes.data, f, part[0], part[1]), row_ranges(rows, MIN_ROWS))
     return out
+
+
+def gated_silu(u: np.ndarray) -> np.ndarray | None:
+    """``silu(gate) · up`` of a gated MLP's up projection ``u [rows, 2f]`` (each row ``[gate; up]``)
+    -> ``[rows, f]`` float32: :func:`silu_gate` of its halves."""
+    if u.ndim != 2 or u.shape[1] % 2:
+        return None
+    f = u.shape[1] // 2
+    return silu_gate(u[:, f:], u[:, :f])
+
+
+def masked_softmax(scores: np.ndarray, scale: float, visible: np.ndarray, first: int) -> np.ndarray | None:
+    """Attention scores ``[rows, cols]`` (float32, contiguous) made, in place and on the calling
+    thread, their softmax's numerators ``exp(scale·s - top)`` in the columns each row sees (exactly
+    0 elsewhere, ``top`` the row's largest seen ``scale·s``); returns ``1 / sum`` per row ``[rows]``.
+    Every row sees the columns below ``first``; ``visible [period, cols - first]`` (bool, rows
+    contiguous) says which later ones row ``r`` sees, by its row ``r % period``. Two passes over
+    the scores where NumPy's ufuncs take six; None where the kernels are not usable or the arrays
+    are not laid out so."""
+    lib = library()
+    rows, cols = scores.shape
+    period = visible.shape[0]
+    if (lib is None or scores.dtype != np.float32 or not scores.flags.c_contiguous or visible.dtype != np.bool_
+            or visible.shape[1] != cols - first or visible.strides[1] != 1 or period == 0 or rows % period):
+        return None
+    inv = np.empty(rows, dtype=np.float32)
+    lib.portable_ssm_masked_softmax(scores.ctypes.data, rows, cols, scale, visible.ctypes.data, visible.strides[0],
+                                    period, first, inv.ctypes.data)
+    return inv
 
 
 def row_product(row: np.ndarray, weight: np.ndarray, scale: np.ndarray | None) -> np.ndarray | None:

@@ -10,6 +10,8 @@ by chunk), so that every pass over an intermediate reads it from cache rather th
   float32, :mod:`.kernels`' one pass where it is usable);
 - :func:`gated_activation`: a gated MLP's ``silu(gate) · up`` in one pass (float32: :mod:`.kernels`;
   else the core's reference);
+- :func:`silu_gate`: the Mamba-2 mixer's ``y · silu(z)`` without a norm (Falcon-H1's), one pass
+  (float32: :mod:`.kernels`; else None and the core's reference);
 - :func:`ssd_chunked`: the chunked scan as a loop over groups of SCAN_GROUP_CHUNKS chunks, heads in
   blocks of SCAN_HEAD_BLOCK (in float32, :mod:`.kernels`' compiled scan where it is usable: one C++
   pass per block of heads);
@@ -179,6 +181,17 @@ def gated_activation(u: np.ndarray, act: str) -> np.ndarray:
     if fused is None:
         return gated_activation_ref(u, act, xp=xp)
     return fused.reshape(*lead, two_f // 2)  # [rows, f] -> [..., f]
+
+
+def silu_gate(y: np.ndarray, z: np.ndarray) -> np.ndarray | None:
+    """The ``silu_gate`` fast op of ``portable_ssm.mixer``: ``y · silu(z)`` of float32 ``y, z [..., d]``
+    through :func:`.kernels.silu_gate` (the rows flattened, as views where the strides allow); None,
+    and the reference runs, for other dtypes or shapes or where the kernels are off."""
+    if y.shape != z.shape or y.ndim == 0 or y.dtype != np.float32 or z.dtype != np.float32:
+        return None
+    d = y.shape[-1]
+    fused = kernels.silu_gate(y.reshape(-1, d), z.reshape(-1, d))  # [..., d] -> [rows, d] each
+    return None if fused is None else fused.reshape(y.shape)  # [rows, d] -> [..., d]
 
 
 def pass_states(state: np.ndarray, chunk_decay: np.ndarray, Bt: np.ndarray, X: np.ndarray,
