@@ -67,11 +67,13 @@ def test_the_blas_is_held_at_one_thread_only_inside_and_restored_after():
 
 
 @pytest.mark.parametrize("m", [3, 15, 16, 300])
-def test_linear_equals_the_matmul_for_one_range_and_split_rows(workers, m):
+@pytest.mark.parametrize("n", [70, 1024])
+def test_linear_equals_the_matmul_for_one_range_and_split_rows(workers, m, n):
     rows = _rng(1).standard_normal((m, 48)).astype(np.float32)
-    weight = _rng(2).standard_normal((70, 48)).astype(np.float32)
+    weight = _rng(2).standard_normal((n, 48)).astype(np.float32)
     out = ops.linear(rows, weight)
-    assert out.shape == (m, 70) and out.dtype == np.float32
+    assert out.shape == (m, n) and out.dtype == np.float32
+    assert out.strides[0] == 4 * (n + (ops.ROW_PAD if n == 1024 else 0))  # rows 4 KiB apart: widened
     assert rel_err(out, rows.astype(np.float64) @ weight.T.astype(np.float64)) < 1e-5
 
 

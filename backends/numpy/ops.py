@@ -41,6 +41,8 @@ from .threads import row_ranges, run_all, workers
 TILE_ELEMENTS = 1 << 18
 #: Chunks the native scan takes through each NumPy call (but the state passing's, one per chunk).
 SCAN_GROUP_CHUNKS = 4
+#: Floats a new projection output's rows are widened by where they would be a multiple of 4 KiB.
+ROW_PAD = 16
 #: Rows of a projection or norm a worker takes at least.
 PARALLEL_MIN_ROWS = 64
 
@@ -51,10 +53,13 @@ def linear(rows: np.ndarray, weight: np.ndarray, out: np.ndarray | None = None) 
     BLAS. The scan, conv and norm then share the cores with no BLAS thread left spinning from the
     projection (OpenBLAS's idle threads spin for about 0.1 s after a call, and would take a core
     from every worker). ``out``: an ``[m, out]`` array (a column slice of a wider one too) written
-    and returned instead of a new one."""
-    m = rows.shape[0]
+    and returned instead of a new one; a new one whose rows would be a multiple of 4 KiB apart is a
+    view of rows :data:`ROW_PAD` floats wider (OpenBLAS's stores to rows 4 KiB apart alias in the
+    caches: a granite-shaped MLP's up projection, 2048 rows of 4096, ran about 8% faster so)."""
+    m, n = rows.shape[0], weight.shape[0]
     if out is None:
-        out = np.empty((m, weight.shape[0]), dtype=np.result_type(rows, weight))
+        pad = ROW_PAD if n * 4 % 4096 == 0 else 0
+        out = np.empty((m, n + pad), dtype=np.result_type(rows, weight))[:, :n]  # [m, n]: the first n of each row
     run_all(lambda part: np.matmul(rows[part[0]:part[1]], weight.T, out=out[part[0]:part[1]]),
             row_ranges(m, PARALLEL_MIN_ROWS), blas=True)
     return out
