@@ -863,6 +863,31 @@ def test_whole_model_step_equals_the_array_api_stack_for_every_weight_kind(kerne
 
 
 @requires_kernel
+def test_the_remembered_model_weights_go_with_the_model(kernel, monkeypatch):
+    """The step remembers a model's tensors for the next token without holding them: the entry goes
+    when one of them is freed, and a new model (or a tensor replaced) is gathered again."""
+    import gc
+
+    config = ps.Mamba2Config(**{**_SMALL_LM, "ngroups": 1})
+    params = ps.init_params(config, seed=3, backend="torch")
+    ids = torch.from_numpy(np.random.default_rng(4).integers(0, 50, (1, 5)))
+    _, state = ps.lm.logits(ids, params, config=config, return_state=True)
+    gathered: list[int] = []
+    real = backend._model_weights
+    monkeypatch.setattr(backend, "_model_weights", lambda *a: gathered.append(1) or real(*a))
+    with torch.inference_mode():
+        first, _ = ps.lm.logits_step(ids[:, -1], state, params, config=config)
+        again, _ = ps.lm.logits_step(ids[:, -1], state, params, config=config)
+        assert gathered == [1] and len(backend._PREPARED) == 1
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+        params = {**params, "norm_f.weight": params["norm_f.weight"].clone()}  # the old tensor freed
+        gc.collect()
+        assert not backend._PREPARED
+        ps.lm.logits_step(ids[:, -1], state, params, config=config)
+        assert gathered == [1, 1]
+
+
+@requires_kernel
 @pytest.mark.parametrize("change", ["two rows", "float64", "autograd", "gated MLP", "norm before gate",
                                     "no norm", "projection bias", "strided weight"])
 def test_whole_model_hook_declines_what_it_does_not_compute_and_the_core_runs(kernel, monkeypatch, change):
