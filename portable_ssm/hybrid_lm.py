@@ -160,10 +160,9 @@ class HybridLM:
         check_attention_convs(self.config, state)
         check_room(state, l, xp=self._xp)
         x = embed_tokens(input_ids, self.params, self.config, xp=self._xp)
-        hidden, state = run_layers(x, self.params, self.config, state, tokens, pad, xp=self._xp)
-        if logits_to_keep:
-            hidden = hidden[:, -min(logits_to_keep, l):, :]  # [b, k, d_model]
-        return head(hidden, self.params, self.config, xp=self._xp), state
+        keep = min(logits_to_keep, l)
+        hidden, state = run_layers(x, self.params, self.config, state, tokens, pad, xp=self._xp, keep=keep)
+        return head(hidden, self.params, self.config, xp=self._xp), state  # [b, keep or l, V]
 
     def logits(self, input_ids: Array, *, attention_mask: Array | None = None) -> Array:
         """``input_ids [b, l]`` -> ``logits [b, l, V]`` (transformers' ``model(ids).logits``)."""

@@ -175,11 +175,14 @@ def _ffn(h: Array, p: dict[str, Array], kind: str, config: HybridConfig, *, xp: 
 
 def run_layers(x: Array, params: dict[str, Array], config: HybridConfig, state: HybridState, tokens: Array,
                pad: Array | None, *, xp: Namespace, one_token: bool = False,
-               embeddings: Array | None = None) -> tuple[Array, HybridState]:
+               embeddings: Array | None = None, keep: int = 0) -> tuple[Array, HybridState]:
     """Every layer then ``norm_f`` over ``x [b, l, d_model]`` (``one_token``: ``x [b, d_model]``
     through the Mamba layers' one-token step): ``(hidden, new state)``. ``tokens [b, l]`` bool
     marks real tokens, ``pad [b]`` each row's left padding (None: none), both from the caller;
-    ``embeddings`` (x's shape): the token embeddings a "shared" layer reads (default: x)."""
+    ``embeddings`` (x's shape): the token embeddings a "shared" layer reads (default: x). ``keep``
+    k > 0: only the last k positions' hidden states are returned, ``[b, k, d_model]``; the last
+    layer's FFN runs on those alone (the state needs every position's mixer, no later layer needs
+    its FFN's other outputs; llama.cpp's graphs cut the rows there too)."""
     positions, rope_pos = advance(state.positions, tokens, xp=xp)
     convs, ssms, kvs = list(state.conv), list(state.ssm), list(state.kv)
     mamba_at = {i: j for j, i in enumerate(config.indices("mamba"))}
@@ -215,6 +218,8 @@ def run_layers(x: Array, params: dict[str, Array], config: HybridConfig, state: 
                 att = attend(normed, _sub(p, "attention.") if mix == "parallel" else p, attn_at[i])
                 out = att if out is None else out + att
             hidden = hidden + out * config.residual_multiplier
+        if keep and not one_token and i == len(config.layers) - 1:
+            hidden = hidden[:, -keep:, :]  # [b, l, d_model] -> [b, keep, d_model]: what reaches the head
         if ffn is not None:
             normed = rms_norm(hidden, params[f"layers.{i}.ffn_norm.weight"], config.norm_eps, xp=xp)
             hidden = hidden + _ffn(normed, _layer_params(params, i, "ffn"), ffn, config, xp=xp) * \
