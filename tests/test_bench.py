@@ -493,6 +493,17 @@ def test_hybrid_shapes_and_max_len_choose_the_rows(tmp_path):
         bench.main(["--only", "hybrid", "--hybrid-shapes", "mamba"])
 
 
+def test_the_granite_moe_shape_runs_only_when_asked_for():
+    """The MoE slice is the hybrid part's third shape, left out of a run's default two."""
+    assert hybrid.DEFAULT_SHAPES == ("granite", "falcon")
+    moe, quick = hybrid.SHAPE_KEYS["granite-moe"]
+    assert moe is hybrid_models.GRANITE_MOE and quick is hybrid_models.QUICK_GRANITE_MOE
+    for shape in (moe, quick):
+        assert shape.family == "granitemoehybrid" and shape.config["num_local_experts"] > shape.config[
+            "num_experts_per_tok"] > 0
+    assert llama.hybrid_unavailable(None, moe) == llama.unavailable(None)  # the granite rules, no other
+
+
 def test_hybrid_part_needs_numpy_among_the_backends():
     notes = []
     assert hybrid.part(["granite"], None, None, ["torch"], quick=True, max_len=None, steps=2, repeats=2,

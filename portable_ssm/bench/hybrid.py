@@ -30,9 +30,12 @@ from typing import Any
 
 from .calls import Clock, DecodeRun
 from .hybrid_models import (
+    FALCON_H1_05B,
+    GRANITE_350M,
+    GRANITE_MOE,
     PROMPT_IDS,
+    QUICK_GRANITE_MOE,
     QUICK_SHAPES,
-    SHAPES,
     TOKENIZER_ROWS,
     HybridShape,
     vocab_file,
@@ -159,21 +162,24 @@ def shape_rows(shape: HybridShape, llama: LlamaCpp | None, converter: str | None
     return rows
 
 
-#: ``--hybrid-shapes`` keys: the families of :data:`~.hybrid_models.SHAPES` (and of the quick shapes).
-FAMILIES = {"granite": "granitemoehybrid", "falcon": "falcon_h1"}
+#: ``--hybrid-shapes`` keys: each shape and its ``--quick`` stand-in.
+SHAPE_KEYS = {"granite": (GRANITE_350M, QUICK_SHAPES[0]), "falcon": (FALCON_H1_05B, QUICK_SHAPES[1]),
+              "granite-moe": (GRANITE_MOE, QUICK_GRANITE_MOE)}
+#: The shapes a run takes unless ``--hybrid-shapes`` says otherwise (issue 48's two).
+DEFAULT_SHAPES = ("granite", "falcon")
 
 
 def part(families: list[str], llama: LlamaCpp | None, converter: str | None, backends: list[str], *, quick: bool,
          max_len: int | None, steps: int, repeats: int, clock: Clock, sample_s: float, settle_s: float,
          notes: list[str]) -> list[HybridRow]:
-    """The hybrid part: :func:`shape_rows` of each shape of ``families`` (:data:`FAMILIES` keys;
+    """The hybrid part: :func:`shape_rows` of each shape of ``families`` (:data:`SHAPE_KEYS` keys;
     ``quick``: the tiny shapes), contexts and prefill lengths above ``max_len`` left out; no rows,
     with a note, where it cannot run (:func:`skipped`)."""
     why = skipped(backends)
     if why is not None:
         notes.append(why)
         return []
-    shapes = [s for s in (QUICK_SHAPES if quick else SHAPES) if s.family in {FAMILIES[f] for f in families}]
+    shapes = [SHAPE_KEYS[key][quick] for key in SHAPE_KEYS if key in families]
     contexts = tuple(c for c in (QUICK_CONTEXTS if quick else CONTEXTS) if max_len is None or c <= max_len)
     prefill = QUICK_PREFILL if quick else PREFILL
     notes.append(f"hybrid: {', '.join(s.name for s in shapes)} built by transformers on random weights "

@@ -3,7 +3,8 @@
 :data:`GRANITE_350M` is shaped as IBM's granite-4.0-h-350m (transformers' ``GraniteMoeHybrid``:
 32 layers, attention at 9, 17, 25 and 31, Mamba-2 elsewhere, each followed by one SwiGLU MLP, no
 experts, no RoPE, tied embeddings) and :data:`FALCON_H1_05B` as TII's Falcon-H1-0.5B (transformers'
-``FalconH1``: 36 layers each running attention and Mamba-2 in parallel, then a SwiGLU MLP). Both
+``FalconH1``: 36 layers each running attention and Mamba-2 in parallel, then a SwiGLU MLP);
+:data:`GRANITE_MOE` is four layers of granite-4.0-h-tiny, whose MLPs are mixtures of experts. Both
 configs are recalled from the public ``config.json`` files, not read from them: the layer counts,
 widths, heads, state sizes and vocabularies are what the author remembers, the muP multipliers too
 (they change no timing). :data:`QUICK_SHAPES` are tiny variants for ``--quick`` runs; they keep
@@ -60,15 +61,19 @@ class HybridShape:
 
 
 def _granite(name: str, *, layers: int, attention: tuple[int, ...], d: int, heads: int, kv_heads: int,
-             mamba_heads: int, d_state: int, d_ff: int) -> HybridShape:
+             mamba_heads: int, d_state: int, d_ff: int, experts: int = 0, top_k: int = 0,
+             d_expert: int = 0) -> HybridShape:
+    """A GraniteMoeHybrid shape: ``d_ff`` the (shared) MLP's width; ``experts`` > 0: a mixture of that
+    many experts of width ``d_expert``, ``top_k`` chosen, beside the shared MLP."""
     kinds = ["attention" if i in attention else "mamba" for i in range(layers)]
     return HybridShape(name, "GraniteMoeHybridForCausalLM", {
         "vocab_size": 100352, "hidden_size": d, "num_hidden_layers": layers, "layer_types": kinds,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "position_embedding_type": "nope",
         "mamba_n_heads": mamba_heads, "mamba_d_head": 2 * d // mamba_heads, "mamba_expand": 2,
         "mamba_d_state": d_state, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_chunk_size": 256,
-        "shared_intermediate_size": d_ff, "intermediate_size": d_ff, "num_local_experts": 0,
-        "num_experts_per_tok": 0, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+        "shared_intermediate_size": d_ff, "intermediate_size": d_expert if experts else d_ff,
+        "num_local_experts": experts, "num_experts_per_tok": top_k, "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5,
         "attention_multiplier": 0.015625, "embedding_multiplier": 12.0, "residual_multiplier": 0.246,
         "logits_scaling": 3.0})
 
@@ -101,12 +106,22 @@ GRANITE_350M = _granite("granite-4.0-h-350m", layers=32, attention=(9, 17, 25, 3
 #: RoPE theta 1e11, and its muP multipliers.
 FALCON_H1_05B = _falcon("falcon-h1-0.5b", layers=36, d=1024, heads=8, kv_heads=2, head_dim=64, mamba_heads=24,
                         mamba_head=64, d_state=128, d_ff=2048)
+#: A slice of granite-4.0-h-tiny (GraniteMoeHybrid with experts; its shape recalled from memory of
+#: the public config, not read from it): 4 of its 40 layers, attention at layer 1, d 1536, 12 heads /
+#: 4 KV heads, Mamba 48 heads x 64, state 128, 64 experts of 512 with 6 chosen beside a shared MLP of
+#: 1024, vocabulary 100352. The whole model (7B) does not fit twice in float32, portable_ssm's and
+#: llama.cpp's, beside their bfloat16 and 8-bit copies in the project's 24 GiB; its layers are the same.
+GRANITE_MOE = _granite("granite-4.0-h-tiny-4-layers", layers=4, attention=(1,), d=1536, heads=12, kv_heads=4,
+                       mamba_heads=48, d_state=128, d_ff=1024, experts=64, top_k=6, d_expert=512)
 SHAPES = (GRANITE_350M, FALCON_H1_05B)
 #: ``--quick``: the same families at d 64 (a few layers, the real vocabularies).
 QUICK_SHAPES = (_granite("tiny-granite-h", layers=4, attention=(1, 3), d=64, heads=4, kv_heads=2, mamba_heads=4,
                          d_state=16, d_ff=128),
                 _falcon("tiny-falcon-h1", layers=3, d=64, heads=4, kv_heads=2, head_dim=16, mamba_heads=4,
                         mamba_head=32, d_state=16, d_ff=128))
+#: ``--quick``'s GRANITE_MOE: 8 experts of 96, 2 chosen.
+QUICK_GRANITE_MOE = _granite("tiny-granite-moe", layers=4, attention=(1,), d=64, heads=4, kv_heads=2, mamba_heads=4,
+                             d_state=16, d_ff=128, experts=8, top_k=2, d_expert=96)
 
 
 def write_folder(shape: HybridShape, folder: Path, seed: int = 0) -> None:

@@ -320,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true",
                         help="add this run as a section at the end of the folder's RESULTS.md (no plot), "
                              "e.g. a --threads 2 run after the main one")
-    parser.add_argument("--hybrid-shapes", default=",".join(hybrid.FAMILIES),
-                        help=f"comma list of the hybrid part's shapes: {', '.join(hybrid.FAMILIES)}")
+    parser.add_argument("--hybrid-shapes", default=",".join(hybrid.DEFAULT_SHAPES),
+                        help=f"comma list of the hybrid part's shapes: {', '.join(hybrid.SHAPE_KEYS)} "
+                             f"(default: {','.join(hybrid.DEFAULT_SHAPES)})")
     parser.add_argument("--hybrid-steps", type=count(1), default=DECODE_STEPS,
                         help="timed greedy steps of each hybrid decode row")
     parser.add_argument("--llama-convert", default=os.environ.get(CONVERT_ENV), metavar="CONVERT_HF_TO_GGUF",
@@ -333,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     families = [f.strip() for f in args.hybrid_shapes.split(",") if f.strip()]
     for bad in [p for p in parts if p not in PARTS] + [b for b in wanted if b not in BACKENDS]:
         parser.error(f"unknown part or backend {bad!r}: parts {PARTS}, backends {BACKENDS}")
-    for bad in [f for f in families if f not in hybrid.FAMILIES]:
-        parser.error(f"--hybrid-shapes: unknown shape {bad!r}: {', '.join(hybrid.FAMILIES)}")
+    for bad in [f for f in families if f not in hybrid.SHAPE_KEYS]:
+        parser.error(f"--hybrid-shapes: unknown shape {bad!r}: {', '.join(hybrid.SHAPE_KEYS)}")
     out = output_dir(args.out, quick=args.quick, overwrite=args.overwrite)
     notes = [f"command: portable-ssm bench {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()]
     notes += _set_threads(args.threads)
