@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array_api_compat.numpy as np_xp
 import numpy as np
 import pytest
 
@@ -171,6 +172,36 @@ def test_moe_dense_and_gathered_match_numpy(xp, kind):
         got = fn(xa, p, spec, xp=xp.namespace)
         assert got.dtype == xp.float64 and tuple(got.shape) == (5, 8)
         np.testing.assert_allclose(xp.numpy(got), want, rtol=1e-10, atol=1e-10, err_msg=fn.__name__)
+
+
+@pytest.mark.parametrize("kind", sorted(MOES))
+def test_numpy_moe_runs_each_expert_on_the_tokens_that_chose_it_only(kind, monkeypatch):
+    """NumPy's ``moe`` fast op (many tokens: the array-API path would run every expert on every one)
+    computes only the chosen experts, equals the dense reference, and keeps a token's NaN its own."""
+    from portable_ssm.backends.numpy import experts as grouped
+
+    from portable_ssm.blocks.moe import route
+
+    spec = MOES[kind]
+    host, x = _moe_case(spec)
+    x = np.concatenate([x, -0.5 * x[:2]])  # [7, 8]: 14 pairs over 6 experts
+    p = {k: v.astype(np.float32) for k, v in host.items()}
+    xs = x.astype(np.float32)
+    taken: list[int] = []
+    real = grouped.chosen_experts
+    monkeypatch.setattr(grouped, "chosen_experts",
+                        lambda w, ids, **kw: taken.extend(ids.tolist()) or real(w, ids, **kw))
+    got = moe(xs, p, spec, xp=np_xp)
+    chosen = set(np.asarray(route(xs, p, spec, xp=np_xp)[0]).ravel().tolist())
+    assert sorted(set(taken)) == sorted(chosen) and len(taken) == 2 * len(chosen)  # up and down of each, once
+    np.testing.assert_allclose(got, moe_dense_ref(xs, p, spec, xp=np_xp), rtol=2e-6, atol=2e-6 * np.abs(got).max())
+    poisoned = xs.copy()
+    poisoned[3, 2] = np.nan
+    out = moe(poisoned, p, spec, xp=np_xp)
+    assert np.isnan(out[3]).all() and np.array_equal(np.delete(out, 3, axis=0), np.delete(got, 3, axis=0))
+    many = np.random.default_rng(9).normal(size=(3, 700, 8)).astype(np.float32)  # experts over the pool's workers
+    np.testing.assert_allclose(moe(many, p, spec, xp=np_xp), moe_dense_ref(many, p, spec, xp=np_xp), rtol=2e-5,
+                               atol=2e-5)
 
 
 @pytest.mark.parametrize("storage", ["int8", "bfloat16"])

@@ -12,6 +12,7 @@ import numpy as np
 
 from .attention import attend, write_slots
 from .decode import decode_model_hook
+from .experts import moe
 from .hybrid import decode_hybrid_hook
 from .ops import (
     causal_conv1d,
@@ -59,7 +60,8 @@ def rng(seed: int) -> np.random.Generator:
 FAST_OPS: dict[str, Any] = {"attend": attend, "causal_conv1d": causal_conv1d, "causal_conv1d_silu": causal_conv1d_silu,
                             "decode_hybrid": decode_hybrid_hook, "decode_model": decode_model_hook,
                             "gated_activation": gated_activation, "gated_rms_norm": gated_rms_norm, "linear": linear,
-                            "pass_states": pass_states, "quantized_matmul": quantized_matmul, "silu_gate": silu_gate,
-                            "ssd_chunked": ssd_chunked, "take_rows": take_rows, "write_slots": write_slots}
+                            "moe": moe, "pass_states": pass_states, "quantized_matmul": quantized_matmul,
+                            "silu_gate": silu_gate, "ssd_chunked": ssd_chunked, "take_rows": take_rows,
+                            "write_slots": write_slots}
 
 __all__ = ["FAST_OPS", "asarray", "bfloat16_bits", "convert", "dtype", "namespace", "rng", "to_numpy"]

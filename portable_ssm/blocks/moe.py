@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._array import Array, Namespace, compute_dtype, device
+from ..backends import fast_op
 from ..mixer import _linear
 from ..quantized import QuantizedWeight, dequantize, take_rows
 from .mlp import MLPSpec, hidden
@@ -76,7 +77,7 @@ def _all_experts(w: Array | QuantizedWeight, *, xp: Namespace) -> Array:
     return dequantize(w, xp=xp) if isinstance(w, QuantizedWeight) else w
 
 
-def _chosen_experts(w: Array | QuantizedWeight, ids: Array, *, xp: Namespace) -> Array:
+def chosen_experts(w: Array | QuantizedWeight, ids: Array, *, xp: Namespace) -> Array:
     """The experts ``ids [n]`` of ``w [E, out, in]``: ``[n, out, in]`` (of a quantized stack, the
     chosen experts' storage and scales taken, then only those widened)."""
     return take_rows(w, ids, xp=xp) if isinstance(w, QuantizedWeight) else xp.take(w, ids, axis=0)
@@ -104,8 +105,8 @@ def moe_gathered(x: Array, p: dict[str, Array], spec: MoESpec, *, xp: Namespace)
     t, d = flat.shape
     index, weight = route(flat, p, spec, xp=xp)
     ids = xp.reshape(index, (-1,))  # [T·k]
-    up_w = _chosen_experts(p["experts.up.weight"], ids, xp=xp)  # [T·k, 2f or f, d]
-    down_w = _chosen_experts(p["experts.down.weight"], ids, xp=xp)  # [T·k, d, f]
+    up_w = chosen_experts(p["experts.up.weight"], ids, xp=xp)  # [T·k, 2f or f, d]
+    down_w = chosen_experts(p["experts.down.weight"], ids, xp=xp)  # [T·k, d, f]
     rows = xp.reshape(xp.broadcast_to(flat[:, None, :], (t, spec.top_k, d)), (t * spec.top_k, 1, d))  # [T·k, 1, d]
     up = xp.matmul(rows, xp.matrix_transpose(up_w))  # [T·k, 1, 2f or f]
     h = xp.astype(hidden(up, spec.mlp, xp=xp), x.dtype)
@@ -115,9 +116,14 @@ def moe_gathered(x: Array, p: dict[str, Array], spec: MoESpec, *, xp: Namespace)
 
 
 def moe(x: Array, p: dict[str, Array], spec: MoESpec, *, xp: Namespace) -> Array:
-    """The routed experts over ``x [..., d]``: gathered when tokens·k < E (decode), dense otherwise;
-    both give :func:`moe_dense_ref`'s result (a test holds them together)."""
+    """The routed experts over ``x [..., d]``: gathered when tokens·k < E (decode), else the
+    backend's ``fast_op(xp, "moe")`` (NumPy's: each expert on the tokens that chose it) or dense;
+    all give :func:`moe_dense_ref`'s result (tests hold them together)."""
     tokens = 1
     for s in x.shape[:-1]:
         tokens *= s
-    return (moe_gathered if tokens * spec.top_k < spec.experts else moe_dense_ref)(x, p, spec, xp=xp)
+    if tokens * spec.top_k < spec.experts:
+        return moe_gathered(x, p, spec, xp=xp)
+    native = fast_op(xp, "moe")
+    grouped = None if native is None else native(x, p, spec)
+    return moe_dense_ref(x, p, spec, xp=xp) if grouped is None else grouped
