@@ -53,6 +53,13 @@ def test_workers_come_from_the_first_thread_variable_set(monkeypatch, name, valu
         threads.workers.cache_clear()
 
 
+def test_run_all_on_a_worker_of_the_pool_runs_inline(workers):
+    """A pass split over the pool from inside one of its items (an expert's MLP, whose activation
+    kernel splits its rows too) runs on that worker instead of waiting for the pool it holds."""
+    got = threads.run_all(lambda i: threads.run_all(lambda j: 10 * i + j, range(5)), range(6))
+    assert got == [[10 * i + j for j in range(5)] for i in range(6)]
+
+
 def test_the_blas_is_held_at_one_thread_only_inside_and_restored_after():
     blas = threads._openblas()
     if blas is None:

@@ -14,16 +14,10 @@ from typing import Any
 import array_api_compat.numpy as xp
 import numpy as np
 
-from portable_ssm.blocks.mlp import MLPSpec, activation, gated_activation_ref
+from portable_ssm.blocks.mlp import hidden
 from portable_ssm.blocks.moe import MoESpec, chosen_experts, route
 
 from .threads import run_all
-
-
-def _hidden(u: np.ndarray, spec: MLPSpec) -> np.ndarray:
-    """:func:`portable_ssm.blocks.mlp.hidden` without the backend's fast op: on a worker of the pool,
-    whose kernels would wait for the pool itself."""
-    return gated_activation_ref(u, spec.act, xp=xp) if spec.gated else activation(u, spec.act, xp=xp)
 
 
 def moe(x: Any, p: dict[str, Any], spec: MoESpec) -> np.ndarray | None:
@@ -44,7 +38,7 @@ def moe(x: Any, p: dict[str, Any], spec: MoESpec) -> np.ndarray | None:
         one = np.array([e])
         up_w = chosen_experts(p["experts.up.weight"], one, xp=xp)[0]  # [2f or f, d]
         down_w = chosen_experts(p["experts.down.weight"], one, xp=xp)[0]  # [d, f]
-        h = _hidden(flat[mine // k] @ up_w.T, spec.mlp).astype(x.dtype, copy=False)  # [n, f]
+        h = hidden(flat[mine // k] @ up_w.T, spec.mlp, xp=xp).astype(x.dtype, copy=False)  # [n, f]
         out[mine] = h @ down_w.T  # [n, d]
 
     run_all(work, [e for e in range(spec.experts) if bounds[e + 1] > bounds[e]], blas=True)

@@ -36,9 +36,17 @@ def workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+#: ``inside`` is True on the pool's own threads.
+_WORKER = threading.local()
+
+
+def _mark_worker() -> None:
+    _WORKER.inside = True
+
+
 @lru_cache(maxsize=1)
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers(), thread_name_prefix="portable_ssm")
+    return ThreadPoolExecutor(workers(), thread_name_prefix="portable_ssm", initializer=_mark_worker)
 
 
 #: OpenBLAS's thread-count functions under the names its builds export (scipy-openblas first).
@@ -127,10 +135,11 @@ def one_blas_thread() -> Iterator[bool]:
 
 def run_all(fn: Callable[..., Any], items: Iterable[Any], *, blas: bool = False) -> list[Any]:
     """``[fn(item) for item in items]``, the items spread over the pool (inline with one worker or
-    item); ``blas``: ``fn`` runs matmuls, so the BLAS is held at one thread meanwhile (inline where
-    it cannot be)."""
+    item, and on a worker of the pool itself, which would otherwise wait for its own pool);
+    ``blas``: ``fn`` runs matmuls, so the BLAS is held at one thread meanwhile (inline where it
+    cannot be)."""
     items = list(items)
-    if workers() == 1 or len(items) < 2:
+    if workers() == 1 or len(items) < 2 or getattr(_WORKER, "inside", False):
         return [fn(item) for item in items]
     if not blas:
         return list(_pool().map(fn, items))
