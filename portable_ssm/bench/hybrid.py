@@ -169,17 +169,17 @@ SHAPE_KEYS = {"granite": (GRANITE_350M, QUICK_SHAPES[0]), "falcon": (FALCON_H1_0
 DEFAULT_SHAPES = ("granite", "falcon")
 
 
-def part(families: list[str], llama: LlamaCpp | None, converter: str | None, backends: list[str], *, quick: bool,
+def part(keys: list[str], llama: LlamaCpp | None, converter: str | None, backends: list[str], *, quick: bool,
          max_len: int | None, steps: int, repeats: int, clock: Clock, sample_s: float, settle_s: float,
          notes: list[str]) -> list[HybridRow]:
-    """The hybrid part: :func:`shape_rows` of each shape of ``families`` (:data:`SHAPE_KEYS` keys;
+    """The hybrid part: :func:`shape_rows` of each shape of ``keys`` (:data:`SHAPE_KEYS` keys;
     ``quick``: the tiny shapes), contexts and prefill lengths above ``max_len`` left out; no rows,
     with a note, where it cannot run (:func:`skipped`)."""
     why = skipped(backends)
     if why is not None:
         notes.append(why)
         return []
-    shapes = [SHAPE_KEYS[key][quick] for key in SHAPE_KEYS if key in families]
+    shapes = [SHAPE_KEYS[key][quick] for key in SHAPE_KEYS if key in keys]
     contexts = tuple(c for c in (QUICK_CONTEXTS if quick else CONTEXTS) if max_len is None or c <= max_len)
     prefill = QUICK_PREFILL if quick else PREFILL
     notes.append(f"hybrid: {', '.join(s.name for s in shapes)} built by transformers on random weights "

@@ -331,10 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     parts = tuple(p.strip() for p in args.only.split(",") if p.strip())
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
-    families = [f.strip() for f in args.hybrid_shapes.split(",") if f.strip()]
+    shape_keys = [k.strip() for k in args.hybrid_shapes.split(",") if k.strip()]
     for bad in [p for p in parts if p not in PARTS] + [b for b in wanted if b not in BACKENDS]:
         parser.error(f"unknown part or backend {bad!r}: parts {PARTS}, backends {BACKENDS}")
-    for bad in [f for f in families if f not in hybrid.SHAPE_KEYS]:
+    for bad in [k for k in shape_keys if k not in hybrid.SHAPE_KEYS]:
         parser.error(f"--hybrid-shapes: unknown shape {bad!r}: {', '.join(hybrid.SHAPE_KEYS)}")
     out = output_dir(args.out, quick=args.quick, overwrite=args.overwrite)
     notes = [f"command: portable-ssm bench {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()]
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         if "quality" in parts:
             graded = quality(backends, llama, QUICK_TRAIN_STEPS if args.quick else TRAIN_STEPS, notes)
         if "hybrid" in parts:
-            hybrid_rows = hybrid.part(families, llama, args.llama_convert, backends, quick=args.quick,
+            hybrid_rows = hybrid.part(shape_keys, llama, args.llama_convert, backends, quick=args.quick,
                                       max_len=args.max_len, steps=args.hybrid_steps, repeats=args.repeats, clock=clock,
                                       sample_s=0.05 if args.quick else 1.0,
                                       settle_s=0.0 if args.quick else SETTLE_S, notes=notes)
