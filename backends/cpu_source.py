@@ -25,19 +25,23 @@ SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 #: The environment variable that turns the kernels off (``0``); anything else leaves them on.
 ENV = "PORTABLE_SSM_CPU_KERNELS"
 
-#: The compiler's flags for both: AVX2 and FMA code, optimized (the ``avx2`` build of :func:`simd_flags`).
-SIMD_FLAGS = ("-O3", "-mavx2", "-mfma")
-
-#: The environment variable that picks the instruction set the kernels are built for: ``avx2`` (the
-#: default; what every AVX2 CPU runs) or ``avx512`` (the same source compiled for AVX-512 F/BW/VL/DQ
-#: as well: the compiler's own loops 512 bits wide and 32 vector registers; only where the CPU has
-#: them, else the AVX2 build with a warning). Each has its own build (the flags are in the key).
+#: The environment variable that picks the instruction set the kernels are built for: ``auto`` (the
+#: default: the AVX2 build, whose int8 products with no -128 go through AVX-512 VNNI where the CPU
+#: has it, chosen at run time), ``avx2`` (AVX2 and FMA code only: the switch that runs the AVX2
+#: path on an AVX-512 machine) or ``avx512`` (the same source compiled for AVX-512 F/BW/VL/DQ as
+#: well, with the VNNI products: the compiler's own loops 512 bits wide and 32 vector registers;
+#: only where the CPU has them, else the avx2 build with a warning). Each has its own build (the
+#: flags are in the key).
 ISA_ENV = "PORTABLE_SSM_CPU_ISA"
-#: The instruction-set flags of each build :data:`ISA_ENV` names.
-ISA_FLAGS = {"avx2": ("-mavx2", "-mfma"),
-             "avx512": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")}
+#: The instruction-set flags of each build :data:`ISA_ENV` names (``PORTABLE_SSM_VNNI``: the VNNI
+#: products are compiled in, each function for AVX-512 VNNI by its own target attribute).
+ISA_FLAGS = {"auto": ("-mavx2", "-mfma", "-DPORTABLE_SSM_VNNI"),
+             "avx2": ("-mavx2", "-mfma"),
+             "avx512": ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                        "-DPORTABLE_SSM_VNNI")}
 #: The CPU features (as NumPy's dispatcher names them) each build needs.
-ISA_FEATURES = {"avx2": ("AVX2", "FMA3"), "avx512": ("AVX2", "FMA3", "AVX512F", "AVX512BW", "AVX512VL", "AVX512DQ")}
+ISA_FEATURES = {"auto": ("AVX2", "FMA3"), "avx2": ("AVX2", "FMA3"),
+                "avx512": ("AVX2", "FMA3", "AVX512F", "AVX512BW", "AVX512VL", "AVX512DQ")}
 
 
 @lru_cache(maxsize=1)
@@ -54,14 +58,14 @@ def cpu_features() -> dict[str, bool]:
 
 
 def isa() -> str:
-    """The build :data:`ISA_ENV` asks for (``avx2`` unset or empty); ValueError naming it for any
+    """The build :data:`ISA_ENV` asks for (``auto`` unset or empty); ValueError naming it for any
     other value; ``avx2`` with a warning where the CPU lacks a feature the asked one needs."""
-    asked = os.environ.get(ISA_ENV, "").strip().lower() or "avx2"
+    asked = os.environ.get(ISA_ENV, "").strip().lower() or "auto"
     if asked not in ISA_FLAGS:
         raise ValueError(f"{ISA_ENV}: expected one of {sorted(ISA_FLAGS)}, got {os.environ[ISA_ENV]!r}")
     features = cpu_features()
     missing = [f for f in ISA_FEATURES[asked] if not features.get(f)]
-    if asked != "avx2" and missing:
+    if asked == "avx512" and missing:
         warnings.warn(f"portable_ssm: {ISA_ENV}={asked} but this CPU lacks {', '.join(missing)}; the kernels are "
                       "built for avx2", RuntimeWarning, stacklevel=2)
         return "avx2"

@@ -92,7 +92,8 @@ def _stream(model, n: int, path: str):
 
     stream = model.stream(list(range(n)), fast=path != "reference")
     if path in ("row kernel", "sgemm"):
-        stream._rows_step = rows.RowsStep(stream._rows_step.model, gemm_rows=0 if path == "row kernel" else 1)
+        step = rows.RowsStep(stream._bar.step.model, gemm_rows=0 if path == "row kernel" else 1)
+        stream._bar = rows.MarketBar(step, *stream._bar.head)
     return stream
 
 
@@ -148,11 +149,11 @@ def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int, bot
 def breakdown(backend: str, reps: int = 400, weights: str = "float32") -> dict[str, float]:
     """Median µs of each stage of one ``MarketStream.update`` of one instrument on the seed shape
     with its projections stored as ``weights`` (time.perf_counter_ns around each stage called
-    alone, as ``update`` calls it)."""
+    alone, as ``update`` calls it): the checks, then the one library call of the whole bar
+    (``MarketBar``: features, inputs and step) and the step within it (``RowsStep``)."""
     import torch
     from portable_ssm.market import synthetic_bars
     from portable_ssm.market._checks import check_float_array
-    from portable_ssm.market.features import feature_rows, model_inputs
 
     torch.set_num_threads(1)
     stream = _seed_model(backend, weights=weights).stream([0])
@@ -172,17 +173,12 @@ def breakdown(backend: str, reps: int = 400, weights: str = "float32") -> dict[s
             stream.update(ids, *(f[i] for f in fields))
         bar = [f[70] for f in fields]
         rows = stream._rows(ids)
-        features = feature_rows(stream._previous[0, rows], stream._previous[1, rows], *bar)[0]
-        x = model_inputs(features, stream.normaliser)
-        u = x @ stream._inp_t + stream._inp_b
+        u = np.random.default_rng(0).standard_normal((1, stream._bar.step.model.d_model)).astype(np.float32)
         return {"update (all)": median(lambda i: stream.update(ids, *(f[60 + i] for f in fields))),
                 "ids -> rows": median(lambda i: stream._rows(ids)),
                 "field checks": median(lambda i: [check_float_array(n, v, ndim=1) for n, v in zip(FIELDS, bar)]),
-                "features": median(lambda i: feature_rows(stream._previous[0, rows], stream._previous[1, rows], *bar)),
-                "normalise": median(lambda i: model_inputs(features, stream.normaliser)),
-                "input map": median(lambda i: x @ stream._inp_t + stream._inp_b),
-                "native step (RowsStep, norm_f and head.weight inside)": median(lambda i: stream._rows_step(u, None)),
-                "step with its Python (_step)": median(lambda i: stream._step(rows, x))}
+                "whole bar (MarketBar: features, inputs, step)": median(lambda i: stream._whole_bar(rows, bar)),
+                "native step (RowsStep, norm_f and head.weight inside)": median(lambda i: stream._bar.step(u, None))}
 
 
 # --- reading ---

@@ -13,12 +13,12 @@ The step (``fast=True``, the default) takes the fastest exact path each backend 
 - NumPy, and PyTorch's float32 CPU tensors (through zero-copy NumPy views of them, as the torch
   backend's own native paths read its tensors; projections may be int8 or bfloat16
   :class:`~portable_ssm.QuantizedWeight`, viewed as int8 and as bfloat16 bits), with a float32
-  head: one call of the compiled
-  library per bar for every updating row together
-  (:class:`portable_ssm.backends.numpy.rows.RowsStep`: the whole-model decode of
-  ``backends/cpu/decode_model.h`` with each weight read once per bar for all rows, each row's
-  state updated in place; the model planned and checked once at construction, the states once per
-  join or leave);
+  head: the whole bar, after the checks, in one call of the compiled library for every updating
+  row together (:class:`portable_ssm.backends.numpy.rows.MarketBar`: the features from the carried
+  values, the normaliser and the input map, then :class:`~portable_ssm.backends.numpy.rows.RowsStep`,
+  the whole-model decode of ``backends/cpu/decode_model.h`` with each weight read once per bar for
+  all rows, each row's state updated in place; the model planned and checked once at
+  construction, the states once per join or leave);
 - NumPy where the compiled library is off or not built:
   :class:`~portable_ssm.market.numpy_step.NumpyStep` (weights prepared once, the state updated in
   place);
@@ -87,6 +87,7 @@ class MarketStream:
         like = head["inp.weight"]
         self._xp, self._backend, self._device, self._dtype = (namespace(like=like), array_backend(like),
                                                               device(like), like.dtype)
+        self._bar_bound: tuple[np.ndarray, np.ndarray] | None = None  # the carried arrays it holds the addresses of
         self._ids: list[int] = []
         self._row: dict[int, int] = {}
         self._id_array = self._all_rows = np.zeros(0, np.int64)  # [N]: the ids in row order, and their rows
@@ -95,12 +96,12 @@ class MarketStream:
         self._seen = np.zeros(0, bool)  # [N]: whether the row has had a bar
         self.state: Mamba2State | None = None  # batch N, rows in the order of ``instruments``
         # The fast paths of the module docstring, each built only where the one before it is not.
-        self._rows_step = self._prepared_rows_step() if fast else None
-        fallback = fast and self._rows_step is None
+        self._bar = self._prepared_bar() if fast else None  # the whole bar in one library call
+        fallback = fast and self._bar is None
         use_numpy = fallback and self._backend == "numpy" and NumpyStep.supports({**params, **head}, config)
         self._numpy = NumpyStep(params, config) if use_numpy else None
         self._native = self._native_decode() if fallback else None
-        self._bound: Mamba2State | None = None  # the state self._rows_step holds the addresses of
+        self._bound: Mamba2State | None = None  # the state self._bar's step holds the addresses of
         if len(instruments):
             self._join(list(instruments))
 
@@ -141,11 +142,11 @@ class MarketStream:
 
         return numpy_views(list(tensors))
 
-    def _prepared_rows_step(self) -> Any:
-        """:class:`~portable_ssm.backends.numpy.rows.RowsStep` of the model (on NumPy, or on views of
-        float32 CPU torch tensors; planned by :func:`~portable_ssm.backends.numpy.decode.plan` once,
-        here), and the head's input map as NumPy arrays; None where the kernels are off or not built,
-        the head is not float32 or the model is a variant that step does not compute."""
+    def _prepared_bar(self) -> Any:
+        """:class:`~portable_ssm.backends.numpy.rows.MarketBar` of the model and head (NumPy arrays, or
+        views of float32 CPU torch tensors; planned by :func:`~portable_ssm.backends.numpy.decode.plan`
+        once, here); None where the kernels are off or not built, the head is not float32 or the model
+        is a variant that step does not compute."""
         from portable_ssm.backends.numpy import decode, kernels, rows
 
         if kernels.library() is None:
@@ -156,13 +157,11 @@ class MarketStream:
         if host is None or any(getattr(a, "dtype", None) != np.float32 for a in host[len(names):]):
             return None  # another head dtype: the reference judges it, as the batch forward does
         try:
-            plan = decode.plan(dict(zip(names, host)), config)
+            plan = decode.plan(dict(zip(names, host)), config, int8_digits=True)
         except ValueError:
             return None
         inp_w, inp_b, _, head_b = host[len(names):]
-        self._inp_t, self._inp_b = np.ascontiguousarray(inp_w.T), inp_b  # [F, d_model], [d_model]
-        self._head_bias = head_b[0]
-        return rows.RowsStep(plan)
+        return rows.MarketBar(rows.RowsStep(plan), self.normaliser.mean, self.normaliser.std, inp_w, inp_b, head_b)
 
     def add(self, instrument_id: int) -> None:
         """A new instrument joins with a fresh state (its first bar gives no prediction)."""
@@ -202,7 +201,7 @@ class MarketStream:
         self._ids.pop(gone)
         self._row = {i: r for r, i in enumerate(self._ids)}
         keep = np.delete(np.arange(len(self._ids) + 1), gone)
-        self._previous, self._seen = self._previous[:, keep], self._seen[keep]
+        self._previous, self._seen = np.ascontiguousarray(self._previous[:, keep]), self._seen[keep]  # [2, N - 1]
         self._rows_changed()
         if not self._ids:
             self.state = None
@@ -239,6 +238,8 @@ class MarketStream:
         for name, value in zip(("open", "high", "low", "close", "volume"), fields):
             if value.shape != rows.shape:
                 raise ValueError(f"{name}: expected shape [{rows.size}] like instrument_ids, got {value.shape}")
+        if self._bar is not None:
+            return self._whole_bar(rows, fields)
         features, log_close, log_volume = feature_rows(self._previous[0, rows], self._previous[1, rows], *fields)
         stepping = self._seen[rows]  # [k]: rows with a bar before (their features exist)
         self._previous[:, rows] = log_close, log_volume
@@ -254,8 +255,6 @@ class MarketStream:
         """Model outputs ``[k]`` of inputs ``x [k, F]`` (float32) for state rows ``rows [k]``."""
         xp = self._xp
         everyone = rows is self._all_rows or rows.size == len(self._ids) and (rows == np.arange(rows.size)).all()
-        if self._rows_step is not None:
-            return self._rows_together(None if everyone else rows, x)
         if self._numpy is not None:
             return self._numpy_step(rows, x, everyone)
         if self._native is not None:
@@ -272,19 +271,30 @@ class MarketStream:
         self.state = state if everyone else self._scatter(index, state)
         return np.asarray(to_backend(out, "numpy"), dtype=np.float64)[:, 0]
 
-    def _rows_together(self, rows: np.ndarray | None, x: np.ndarray) -> np.ndarray:
-        """:meth:`_step` as one call of :class:`~portable_ssm.backends.numpy.rows.RowsStep` for the
-        rows ``rows`` (None: every row in order), their states updated in place."""
-        if self._bound is not self.state:  # joined, left or replaced since the last bar: bind the new arrays
+    def _bind_step(self) -> None:
+        """The states' arrays bound to :class:`~portable_ssm.backends.numpy.rows.RowsStep` where they are
+        not (joined, left or replaced since the last bar)."""
+        if self._bound is not self.state:
             parts = [self._host(list(part)) for part in (self.state.conv, self.state.ssm)]
             if any(p is None or not all(a.flags.c_contiguous for a in p) for p in parts):
                 raise ValueError("MarketStream.state: expected contiguous float32 arrays on the model's backend")
-            self._rows_step.bind(*parts)
+            self._bar.step.bind(*parts)
             self._bound = self.state
-        u = x @ self._inp_t  # [k, F] @ [F, d_model] -> [k, d_model] float32
-        u += self._inp_b
-        logits = self._rows_step(u, rows)  # [k, 1]: norm_f and head.weight applied
-        return (logits[:, 0] + self._head_bias).astype(np.float64)
+            self._bar_bound = None
+
+    def _whole_bar(self, rows: np.ndarray, fields: list[np.ndarray]) -> np.ndarray:
+        """:meth:`update` after its checks as one call of
+        :class:`~portable_ssm.backends.numpy.rows.MarketBar`: features, inputs and the step together."""
+        if self.state is None:  # no instrument streaming: nothing to step
+            return np.zeros(0)
+        self._bind_step()
+        if self._bar_bound is None or self._bar_bound[0] is not self._previous or self._bar_bound[1] is not self._seen:
+            self._bar.bind(self._previous, self._seen)
+            self._bar_bound = (self._previous, self._seen)
+        given = self._bar.fields(rows.size)  # [5, k]
+        for i, value in enumerate(fields):
+            given[i] = value
+        return self._bar(None if rows is self._all_rows else rows, rows.size)
 
     def _native_rows(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray | None:
         """:meth:`_step` as one whole-model native decode per row (batch 1 each), each row's state

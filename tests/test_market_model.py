@@ -76,7 +76,7 @@ def test_streaming_many_instruments_joining_and_leaving_equals_the_batch_forward
     stream = model.stream(instruments=[], fast=fast)
     compiled = fast and numpy_kernels.library() is not None  # NumPy's whole-model step
     on_host = xp.name == "numpy" or xp.name == "torch" and str(xp.device) == "cpu"  # torch: through host views
-    assert (stream._rows_step is not None) == (compiled and on_host)  # every row in one call per bar
+    assert (stream._bar is not None) == (compiled and on_host)  # every row in one call per bar
     assert (stream._numpy is not None) == (fast and not compiled and xp.name == "numpy")  # only without it
     _stream_and_compare(model, stream, series, joins, leaves, skipping=3)
     assert stream.instruments == (3, 4)
@@ -122,10 +122,9 @@ def test_many_instruments_stepped_together_in_one_native_call_per_bar_equal_the_
     from portable_ssm.backends.numpy import rows as rows_module
 
     calls = []
-    real = rows_module.RowsStep.__call__
+    real = rows_module.MarketBar.__call__
     monkeypatch.setattr(rows_module, "GEMM_ROWS", gemm_rows)
-    monkeypatch.setattr(rows_module.RowsStep, "__call__", lambda self, u, rows=None: calls.append(len(u)) or
-                        real(self, u, rows))
+    monkeypatch.setattr(rows_module.MarketBar, "__call__", lambda self, rows, k: calls.append(k) or real(self, rows, k))
     model = _model(backend)
     kinds = ("planted", "random-walk")
     series = {i: synthetic_bars(kinds[i % 2], 24, seed=10 + i) for i in range(12)}
@@ -135,7 +134,7 @@ def test_many_instruments_stepped_together_in_one_native_call_per_bar_equal_the_
     stream = model.stream(instruments=[], fast=True)
     _stream_and_compare(model, stream, series, joins, leaves, skipping=4, count=24)
     assert stream.instruments == (0, 1, 3, 4, 5, 7, 8, 9, 10, 11)
-    assert max(calls) >= 8 and len(calls) == 23  # one call a bar for all its rows (bar 0: no features yet)
+    assert max(calls) >= 8 and len(calls) == 24  # one library call a bar for all its rows
 
 
 def test_without_numpy_kernels_a_torch_instrument_streams_through_the_whole_model_decode_and_equals_batch(
@@ -149,7 +148,7 @@ def test_without_numpy_kernels_a_torch_instrument_streams_through_the_whole_mode
     model = _model("torch")
     bars = synthetic_bars("planted", 25, seed=4)
     stream = model.stream([1])
-    assert stream._rows_step is None
+    assert stream._bar is None
     with torch.no_grad():
         got = [stream.update(np.array([1]), *(getattr(bars, f)[t:t + 1] for f in ("open", "high", "low", "close",
                                                                                       "volume")))[0]
@@ -284,7 +283,7 @@ def test_a_bfloat16_torch_stream_is_built_and_steps_without_numpy_views():
     head = {k: v.to(torch.bfloat16) for k, v in head.items()}
     stream = MarketStream(head, params, config=config, instruments=[1],
                           normaliser=Normaliser(mean=np.zeros(len(FEATURES)), std=np.ones(len(FEATURES))))
-    assert stream._rows_step is None
+    assert stream._bar is None
     bars = synthetic_bars("planted", 3, seed=0)
     got = [stream.update(np.array([1]), *(getattr(bars, f)[t:t + 1] for f in ("open", "high", "low", "close",
                                                                               "volume")))[0] for t in range(3)]

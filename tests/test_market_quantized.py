@@ -45,7 +45,7 @@ def test_a_quantized_model_streams_instruments_joining_and_leaving_equal_to_its_
     series[3] = _with_nan(series[3], 9)
     joins, leaves = {i: 0 if i < 4 else 2 + 3 * i for i in series}, {1: 15}  # 4 and 5 join later, 1 leaves
     stream = model.stream(instruments=[], fast=fast)
-    assert (stream._rows_step is not None) == (fast and numpy_kernels.library() is not None)  # torch: host views
+    assert (stream._bar is not None) == (fast and numpy_kernels.library() is not None)  # torch: host views
     _stream_and_compare(model, stream, series, joins, leaves, skipping=2, count=24)
     assert stream.instruments == (0, 2, 3, 4, 5)
 

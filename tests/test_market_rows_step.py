@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(kernels.library() is None, reason="NumPy's compi
 CONFIG = ps.Mamba2Config(d_model=32, n_layer=2, d_state=16, headdim=8, expand=4, tie_embeddings=False)
 
 
-def _plan_and_states(batch: int, seed: int = 0, kind: str = "float32"):
+def _plan_and_states(batch: int, seed: int = 0, kind: str = "float32", int8_digits: bool = False):
     params = ps.init_params(CONFIG, seed=seed, backend="numpy")
     rng = np.random.default_rng(seed)
     params = {**params, "lm_head.weight": rng.standard_normal((1, CONFIG.d_model)).astype(np.float32)}
@@ -25,7 +25,7 @@ def _plan_and_states(batch: int, seed: int = 0, kind: str = "float32"):
     like = ps.empty_state(CONFIG, batch, params["norm_f.weight"])
     conv = [rng.standard_normal(a.shape).astype(np.float32) for a in like.conv]
     ssm = [rng.standard_normal(a.shape).astype(np.float32) for a in like.ssm]
-    return decode.plan(params, CONFIG), conv, ssm
+    return decode.plan(params, CONFIG, int8_digits=int8_digits), conv, ssm
 
 
 def _copies(arrays):
@@ -108,3 +108,52 @@ def test_bad_states_inputs_and_rows_are_refused_by_name():
         RowsStep(plan, gemm_rows=-1)
     with pytest.raises(TypeError, match="decode.Plan"):
         RowsStep(dataclasses.asdict(plan))
+
+
+def test_int8_rows_through_vnni_equal_each_row_stepped_alone_bit_for_bit():
+    """A market plan's int8 weights (``int8_digits``: through VNNI where the CPU has it): a row's
+    logits and states do not depend on which rows step with it."""
+    from portable_ssm.backends.numpy.rows import RowsStep
+
+    plan, conv, ssm = _plan_and_states(9, kind="int8", int8_digits=True)
+    x = np.random.default_rng(3).standard_normal((9, CONFIG.d_model)).astype(np.float32)
+    together, alone = RowsStep(plan, gemm_rows=0), RowsStep(plan, gemm_rows=0)
+    conv_alone, ssm_alone = _copies(conv), _copies(ssm)
+    together.bind(conv, ssm)
+    alone.bind(conv_alone, ssm_alone)
+    got = together(x)
+    for r in (4, 0, 8, 1, 2, 3, 5, 6, 7):
+        assert np.array_equal(alone(x[r:r + 1], np.array([r])), got[r:r + 1])
+    assert all(np.array_equal(a, b) for a, b in zip((*conv, *ssm), (*conv_alone, *ssm_alone)))
+
+
+def test_a_market_bar_refuses_bad_maps_and_carried_arrays_by_name():
+    from portable_ssm.backends.numpy.rows import MarketBar, RowsStep
+
+    plan, conv, ssm = _plan_and_states(3)
+    step = RowsStep(plan)
+    d = CONFIG.d_model
+    good = dict(mean=np.zeros(5), std=np.ones(5), inp_weight=np.zeros((d, 5), np.float32),
+                inp_bias=np.zeros(d, np.float32), head_bias=np.zeros(1, np.float32))
+    for name, bad in (("mean", np.zeros(4)), ("std", np.ones(5, np.float32)),
+                      ("inp_weight", np.zeros((5, d), np.float32)), ("head_bias", np.zeros((), np.float32))):
+        with pytest.raises(ValueError, match=f"MarketBar: {name} must be"):
+            MarketBar(step, **{**good, name: bad})
+    with pytest.raises(TypeError, match="RowsStep"):
+        MarketBar(plan, **good)
+    bar = MarketBar(step, **good)
+    step.bind(conv, ssm)
+    with pytest.raises(ValueError, match=r"carry must be a contiguous float64 \[2, 3\]"):
+        bar.bind(np.zeros((3, 2)), np.zeros(3, bool))
+    with pytest.raises(ValueError, match=r"seen must be a contiguous bool \[3\]"):
+        bar.bind(np.zeros((2, 3)), np.zeros(3, np.uint8))
+    bar.bind(np.full((2, 3), np.nan), np.zeros(3, bool))
+    bar.fields(3)[:] = 1.0
+    assert np.isnan(bar(None, 3)).all()  # every row's first bar: no prediction, nothing stepped
+    with pytest.raises(ValueError, match="expected fields"):
+        bar(np.array([0, 1]), 3)
+    with pytest.raises(ValueError, match=r"int64 rows in \[0, 3\)"):
+        bar(np.array([0, 1, 3]), 3)
+    step.bind(_copies(conv), _copies(ssm))
+    with pytest.raises(ValueError, match="states changed since bind"):
+        bar(None, 3)

@@ -71,6 +71,30 @@ def test_numpy_whole_model_step_equals_the_array_api_step_for_every_weight_kind(
         assert new.shape == ref.shape and _rel(new, ref) < 2e-6
 
 
+def test_only_a_plan_for_vnni_marks_int8_weights_and_a_minus_128_keeps_the_widening_kernel(library):
+    """``int8_digits=True`` (a market stream's plan) marks int8 weights holding no -128, which the rows
+    step takes through VNNI (it negates weight bytes; -128 has no byte negation); a weight with a -128
+    stays plain int8 and the step still equals the widening kernel's within float32 rounding."""
+    from portable_ssm.backends.numpy.rows import RowsStep
+
+    config, params, token, state = _model("int8")
+    assert decode.plan(params, config).sizes[6 + 4:6 + 6].tolist() == [1, 1]  # layer 0's in_proj, out_proj
+    assert decode.plan(params, config, int8_digits=True).sizes[6 + 4:6 + 6].tolist() == [decode.INT8_SYMMETRIC] * 2
+    name = "layers.0.mixer.in_proj.weight"
+    data = params[name].data.copy()
+    data[3, 5] = -128
+    odd = {**params, name: replace(params[name], data=data)}
+    assert decode.plan(odd, config, int8_digits=True).sizes[6 + 4:6 + 6].tolist() == [1, decode.INT8_SYMMETRIC]
+    x = ps.lm.embed(token, params, xp=backend.xp)  # [1, d_model]
+    for p in (params, odd):
+        got, want = [], []
+        for marked, out in ((True, got), (False, want)):
+            step = RowsStep(decode.plan(p, config, int8_digits=marked), gemm_rows=0)
+            step.bind([a.copy() for a in state.conv], [a.copy() for a in state.ssm])  # stepped in place
+            out.append(step(x))
+        assert _rel(got[0], want[0]) < 2e-6
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 9])  # 9: more threads than the model's 4 heads
 def test_numpy_whole_model_step_is_the_same_on_any_thread_count_and_leaves_its_inputs(library, monkeypatch, threads):
     config, params, token, state = _model("int8")

@@ -391,3 +391,56 @@ def test_quantized_matmul_takes_the_row_product_for_one_row_and_agrees_with_the_
         assert calls[-1] is None and calls[-2] is None  # two rows, then kernels off: the tiles
         np.testing.assert_allclose(one, off, rtol=1e-5, atol=1e-5 * np.abs(off).max())
         np.testing.assert_allclose(two, np.concatenate([off, off]), rtol=1e-5, atol=1e-5 * np.abs(off).max())
+
+
+def _int8_products(lib, weight: np.ndarray, x: np.ndarray, scale: np.ndarray | None, kind: int) -> np.ndarray:
+    """The library's rows of ``weight [out, n] @ x [n]`` (times ``scale``) for the storage ``kind``."""
+    y = np.full(weight.shape[0], -7.0, dtype=np.float32)
+    lib.portable_ssm_row_product(weight.ctypes.data, kind, x.ctypes.data, None if scale is None else scale.ctypes.data,
+                                 y.ctypes.data, weight.shape[1], 0, weight.shape[0])
+    return y
+
+
+def test_the_vnni_products_are_on_exactly_where_the_build_and_cpu_have_them(library, cpu_isa):
+    from portable_ssm.backends import cpu_source
+
+    has_vnni = all(cpu_source.cpu_features().get(f) for f in ("AVX512F", "AVX512BW", "AVX512VL", "AVX512VNNI"))
+    assert kernels.vnni_products() == (has_vnni and cpu_isa != "avx2")
+
+
+@pytest.mark.parametrize(("out", "n"), [(1, 1), (7, 63), (37, 770), (2096, 256), (256, 1024), (5, 4100)])
+def test_int8_products_of_symmetric_weights_agree_with_float64_on_every_build(library, out, n):
+    """Kind 3 (no -128: through VNNI where the build and CPU have it, digits of x to 24 bits) within a
+    float32 dot product's rounding of the float64 product, row tails, blocks of 2048 and all."""
+    rng = np.random.default_rng(out * n)
+    weight = rng.integers(-127, 128, (out, n), dtype=np.int8)
+    scale = (rng.random(out) + 0.5).astype(np.float32)
+    for x in (rng.standard_normal(n), rng.standard_normal(n) * np.exp(rng.uniform(-20, 20, n)),
+              np.full(n, 1e-30), np.where(np.arange(n) % 2 == 0, 3.0, -2.5)):
+        x = x.astype(np.float32)
+        ref = (weight.astype(np.float64) @ x.astype(np.float64)) * scale
+        bound = (np.abs(weight).astype(np.float64) @ np.abs(x).astype(np.float64)) * scale  # Σ|w||x|
+        y = _int8_products(library, weight, x, scale, 3)
+        assert np.all(np.abs(y - ref) <= 1e-6 * bound + 1e-37), np.max(np.abs(y - ref) / bound)
+        y = _int8_products(library, weight, x, None, 3)
+        for begin in range(min(out, 5)):  # a row's output is the same float whichever rows share the call
+            part = np.full(out, -7.0, np.float32)
+            library.portable_ssm_row_product(weight.ctypes.data, 3, x.ctypes.data, None, part.ctypes.data, n, begin,
+                                             out)
+            np.testing.assert_array_equal(part[begin:], y[begin:])
+
+
+def test_int8_products_of_a_nonfinite_zero_or_tiny_row_are_the_widening_kernels(library):
+    """A NaN or inf in x, or x all below 2^-100 (its 24-bit unit would underflow): the float32 widening
+    kernel's outputs exactly (NaN stays NaN, inf its infinities)."""
+    rng = np.random.default_rng(0)
+    weight = rng.integers(-127, 128, (9, 300), dtype=np.int8)
+    rows = []
+    for special in (np.nan, np.inf, -np.inf):
+        x = rng.standard_normal(300).astype(np.float32)
+        x[17] = special
+        rows.append(x)
+    rows += [np.zeros(300, np.float32), (rng.standard_normal(300) * 1e-32).astype(np.float32)]
+    for x in rows:
+        np.testing.assert_array_equal(_int8_products(library, weight, x, None, 3),
+                                      _int8_products(library, weight, x, None, 1))

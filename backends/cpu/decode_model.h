@@ -19,8 +19,9 @@
 
 namespace {
 
-// A weight's storage as the row kernel reads it.
-enum WeightKind : int64_t { kWeightF32 = 0, kWeightI8 = 1, kWeightBF16 = 2 };
+// A weight's storage as the row kernel reads it: kWeightI8Sym is int8 known to hold no -128 (the
+// caller checked), which int8_products may take through VNNI.
+enum WeightKind : int64_t { kWeightF32 = 0, kWeightI8 = 1, kWeightBF16 = 2, kWeightI8Sym = 3 };
 
 // A weight [out, in] as the row kernel reads it: float32, int8 (times a float32 scale per row, or
 // none) or bfloat16 bits, contiguous.
@@ -31,19 +32,37 @@ struct RowWeight {
   int64_t out, in;
 };
 
-// y[r] = (w[r] · x)·scale[r] for the rows r in [begin, end) of w.
-inline void row_share(const RowWeight& w, const float* x, float* y, int64_t begin, int64_t end) {
+// y[r] = (w[r] · x)·scale[r] for the rows r in [begin, end) of w; digits: x's (ByteRow), made once
+// per product by a caller that takes kWeightI8Sym rows through VNNI (null: row_products). Only a
+// market stream's step does (tiled_products): its weights are read from the caches, where the
+// widening kernel is compute-bound; a language model's decode streams its weights from memory, where
+// the widening kernel keeps up with the read (the digits' products measured 6% slower there).
+inline void row_share(const RowWeight& w, const float* x, float* y, int64_t begin, int64_t end,
+                      const ByteRow* digits = nullptr) {
   switch (w.kind) {
     case kWeightF32: row_products(static_cast<const float*>(w.data), x, w.scale, y, w.in, begin, end); break;
+    case kWeightI8Sym:
+      if (digits != nullptr) {
+        int8_products(static_cast<const int8_t*>(w.data), x, *digits, w.scale, y, w.in, begin, end);
+        break;
+      }
+      [[fallthrough]];
     case kWeightI8: row_products(static_cast<const int8_t*>(w.data), x, w.scale, y, w.in, begin, end); break;
     default: row_products(static_cast<const uint16_t*>(w.data), x, w.scale, y, w.in, begin, end); break;
   }
 }
 
+// x's digits into `digits` where w is int8 with no -128 (else left alone); the pointer row_share takes.
+inline const ByteRow* digits_for(const RowWeight& w, const float* x, ByteRow& digits) {
+  if (w.kind != kWeightI8Sym) return nullptr;
+  digits.make(x, w.in);
+  return &digits;
+}
+
 // Rows [first, first + count) of w as a weight (of a stack [E·out, in] of experts' weights: expert
 // e's at first = e·out).
 inline RowWeight rows_of(const RowWeight& w, int64_t first, int64_t count) {
-  const int64_t bytes = w.kind == kWeightF32 ? 4 : w.kind == kWeightI8 ? 1 : 2;  // per element
+  const int64_t bytes = w.kind == kWeightF32 ? 4 : w.kind == kWeightBF16 ? 2 : 1;  // per element
   return {static_cast<const char*>(w.data) + first * w.in * bytes, w.kind,
           w.scale == nullptr ? nullptr : w.scale + first, count, w.in};
 }
@@ -338,13 +357,18 @@ namespace {
 // y [b, w.out] = x [b, w.in] · wᵀ (times w's row scales) through the row kernel: the weight read
 // once per tile of x rows (the tile's rows stay in L2 while eight weight rows at a time pass
 // them), each output the same floats as row_share's for that row alone (decode_model_run's).
+// int8 rows with no -128 through VNNI: each x row's byte digits made once, not once per block of rows.
 inline void tiled_products(const RowWeight& w, const float* x, int64_t b, float* y) {
   const int64_t tile = std::max<int64_t>(8, (int64_t{256} << 10) / (4 * w.in));  // x rows in 256 KiB
+  std::vector<ByteRow> made(w.kind == kWeightI8Sym ? static_cast<size_t>(b) : 0);
+  std::vector<const ByteRow*> digits(static_cast<size_t>(b), nullptr);
+  for (int64_t j = 0; j < static_cast<int64_t>(made.size()); ++j) digits[j] = digits_for(w, x + j * w.in, made[j]);
+  const int64_t block = made.empty() ? 8 : 64;  // weight rows a pass: 64 int8 rows fit L2 as 8 float32 ones do
   for (int64_t j0 = 0; j0 < b; j0 += tile) {
     const int64_t j1 = std::min(b, j0 + tile);
-    for (int64_t r0 = 0; r0 < w.out; r0 += 8) {
-      const int64_t r1 = std::min(w.out, r0 + 8);
-      for (int64_t j = j0; j < j1; ++j) row_share(w, x + j * w.in, y + j * w.out, r0, r1);
+    for (int64_t r0 = 0; r0 < w.out; r0 += block) {
+      const int64_t r1 = std::min(w.out, r0 + block);
+      for (int64_t j = j0; j < j1; ++j) row_share(w, x + j * w.in, y + j * w.out, r0, r1, digits[j]);
     }
   }
 }

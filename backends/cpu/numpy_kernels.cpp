@@ -69,6 +69,47 @@ std::vector<LayerView> model_views(const int64_t* sizes, void* const* pointers) 
   return layer_views(sizes + 6, pointers + 5, sizes[0], sizes[1], sizes[3]);
 }
 
+// portable_ssm_decode_rows with the inputs x [b, d] and logits [b, head_out] given apart from the tables.
+void decode_rows_on(const int64_t* sizes, void* const* pointers, const float* x, float* logits,
+                    float* const* conv_rows, float* const* ssm_rows, int64_t b, double eps, double low, double high,
+                    const int64_t* options, void* sgemm) {
+  const int64_t layers = sizes[0], d = sizes[1], g = sizes[2], p = sizes[3];
+  const std::vector<LayerView> views = model_views(sizes, pointers);
+  const RowWeight lm_head{pointers[2], sizes[5], static_cast<const float*>(pointers[3]), sizes[4], d};
+  const bool gemm_here = sgemm != nullptr && options[1] > 0 && b >= options[1];
+  const BlasGemm gemm{sgemm, options[2] != 0};
+  const auto product = [&](const RowWeight& w, const float* in, int64_t rows, float* y) {
+    if (gemm_here && w.kind == kWeightF32 && w.scale == nullptr) {
+      gemm(1, false, true, rows, w.out, w.in, in, w.in, 0, static_cast<const float*>(w.data), w.in, 0, 0.f, y, w.out,
+           0);  // y [rows, out] = in [rows, w.in] · wᵀ
+    } else {
+      tiled_products(w, in, rows, y);
+    }
+  };
+  decode_rows_run(x, b, d, views.data(), layers, conv_rows, ssm_rows, static_cast<const float*>(pointers[1]),
+                  lm_head, logits, eps, static_cast<float>(low), static_cast<float>(high), g, p, options[0] != 0,
+                  product);
+}
+
+// The five features of market/features.py's feature_rows for one bar (open o, high h, low lo, close
+// c, volume v) after a bar of log close `close_before` and log1p volume `volume_before` (NaN: none):
+// {log return, log range, log body, log1p volume, volume change}, NaN throughout for a missing bar
+// (a price not finite and positive, a volume not finite and non-negative); carried: the bar's own
+// log close and log1p volume.
+void bar_features(double o, double h, double lo, double c, double v, double close_before, double volume_before,
+                  double* features, double* carried) {
+  const auto price = [](double x) { return std::isfinite(x) && x > 0; };
+  const bool present = price(o) && price(h) && price(lo) && price(c) && std::isfinite(v) && v >= 0;
+  const double nan = std::nan("");
+  const double log_close = present ? std::log(c) : nan, log_volume = present ? std::log1p(v) : nan;
+  features[0] = log_close - close_before;
+  features[1] = present ? std::log(h / lo) : nan;
+  features[2] = present ? log_close - std::log(o) : nan;
+  features[3] = log_volume;
+  features[4] = log_volume - volume_before;
+  carried[0] = log_close, carried[1] = log_volume;
+}
+
 }  // namespace
 
 extern "C" {
@@ -150,15 +191,24 @@ void portable_ssm_masked_softmax(float* s, int64_t rows, int64_t cols, float sca
 }
 
 // Rows [begin, end) of y [rows] = (w [rows, n] @ x [n]) · scale [rows] (scale null: none), w's kind
-// 1: int8, 2: bfloat16 bits (uint16), all contiguous.
+// 1: int8, 2: bfloat16 bits (uint16), 3: int8 with no -128 (int8_products: VNNI where usable), all
+// contiguous.
 void portable_ssm_row_product(const void* w, int64_t kind, const float* x, const float* scale, float* y, int64_t n,
                               int64_t begin, int64_t end) {
   if (kind == 1) {
     row_products(static_cast<const int8_t*>(w), x, scale, y, n, begin, end);
+  } else if (kind == 3) {
+    ByteRow digits;
+    digits.make(x, n);
+    int8_products(static_cast<const int8_t*>(w), x, digits, scale, y, n, begin, end);
   } else {
     row_products(static_cast<const uint16_t*>(w), x, scale, y, n, begin, end);
   }
 }
+
+// 1 where this build's int8 products with no -128 go through AVX-512 VNNI (compiled in and the CPU
+// has it), else 0.
+int64_t portable_ssm_vnni_usable() { return vnni_usable() ? 1 : 0; }
 
 // Work items [begin, end) of the chunked scan's forward (scan_forward_item; items = b·g·blocks):
 // sizes = {b, l, h, p, g, n, xr, xl, br, bl, cr, cl, Q, block, d_per_channel, safe, ilp64} and
@@ -203,22 +253,63 @@ void portable_ssm_decode_model(const int64_t* sizes, void* const* pointers, doub
 void portable_ssm_decode_rows(const int64_t* sizes, void* const* pointers, float* const* conv_rows,
                               float* const* ssm_rows, int64_t b, double eps, double low, double high,
                               const int64_t* options, void* sgemm) {
-  const int64_t layers = sizes[0], d = sizes[1], g = sizes[2], p = sizes[3];
-  const std::vector<LayerView> views = model_views(sizes, pointers);
-  const RowWeight lm_head{pointers[2], sizes[5], static_cast<const float*>(pointers[3]), sizes[4], d};
-  const bool gemm_here = sgemm != nullptr && options[1] > 0 && b >= options[1];
-  const BlasGemm gemm{sgemm, options[2] != 0};
-  const auto product = [&](const RowWeight& w, const float* x, int64_t rows, float* y) {
-    if (gemm_here && w.kind == kWeightF32 && w.scale == nullptr) {
-      gemm(1, false, true, rows, w.out, w.in, x, w.in, 0, static_cast<const float*>(w.data), w.in, 0, 0.f, y, w.out,
-           0);  // y [rows, out] = x [rows, in] · wᵀ
-    } else {
-      tiled_products(w, x, rows, y);
+  decode_rows_on(sizes, pointers, static_cast<const float*>(pointers[0]), static_cast<float*>(pointers[4]), conv_rows,
+                 ssm_rows, b, eps, low, high, options, sgemm);
+}
+
+// One bar of a market stream (portable_ssm.market.MarketStream.update) in one call, for the k rows
+// `rows` (distinct, in [0, N); null: rows 0..k-1) of N instruments. bar = {fields [5, k] float64
+// (open, high, low, close, volume), carry [2, N] float64 (each row's last log close and log1p
+// volume, updated), seen [N] bytes (whether the row has had a bar; set), mean [5], std [5] float64,
+// inp_t [5, d] and inp_b [d] float32 (the head's input map), head_bias [1] float32, conv_table and
+// ssm_table [N, layers] (each row's state addresses, portable_ssm_decode_rows's), x [k, d] and
+// logits [k, head_out] float32 scratch}. Each row's features (bar_features) normalised as
+// model_inputs does ((f - mean) / std, non-finite -> 0, then float32), mapped by the input map, and
+// the rows that had a bar before stepped together by portable_ssm_decode_rows; out [k] float64 =
+// their logit + head_bias, NaN for a row's first bar (its state untouched).
+void portable_ssm_market_bar(const int64_t* sizes, void* const* pointers, void* const* bar, const int64_t* rows,
+                             int64_t k, int64_t n, double eps, double low, double high, const int64_t* options,
+                             void* sgemm, double* out) {
+  const int64_t layers = sizes[0], d = sizes[1], head_out = sizes[4];
+  const double* fields = static_cast<const double*>(bar[0]);
+  double* carry = static_cast<double*>(bar[1]);
+  uint8_t* seen = static_cast<uint8_t*>(bar[2]);
+  const double *mean = static_cast<const double*>(bar[3]), *deviation = static_cast<const double*>(bar[4]);
+  const float *inp_t = static_cast<const float*>(bar[5]), *inp_b = static_cast<const float*>(bar[6]);
+  const float head_bias = *static_cast<const float*>(bar[7]);
+  float* const* conv_table = static_cast<float* const*>(bar[8]);
+  float* const* ssm_table = static_cast<float* const*>(bar[9]);
+  float* x = static_cast<float*>(bar[10]);
+  float* logits = static_cast<float*>(bar[11]);
+  std::vector<float*> conv_rows, ssm_rows;
+  std::vector<int64_t> stepped;  // the positions j in [0, k) of the rows that step, in order
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t r = rows == nullptr ? j : rows[j];
+    double features[5], carried[2];
+    bar_features(fields[j], fields[k + j], fields[2 * k + j], fields[3 * k + j], fields[4 * k + j], carry[r],
+                 carry[n + r], features, carried);
+    carry[r] = carried[0], carry[n + r] = carried[1];
+    out[j] = std::nan("");
+    if (!seen[r]) {
+      seen[r] = 1;
+      continue;
     }
-  };
-  decode_rows_run(static_cast<const float*>(pointers[0]), b, d, views.data(), layers, conv_rows, ssm_rows,
-                  static_cast<const float*>(pointers[1]), lm_head, static_cast<float*>(pointers[4]), eps,
-                  static_cast<float>(low), static_cast<float>(high), g, p, options[0] != 0, product);
+    float* u = x + static_cast<int64_t>(stepped.size()) * d;  // the stepping rows' inputs, packed
+    for (int64_t c = 0; c < d; ++c) u[c] = 0.f;
+    for (int64_t i = 0; i < 5; ++i) {
+      const double normal = (features[i] - mean[i]) / deviation[i];
+      const float xi = std::isfinite(normal) ? static_cast<float>(normal) : 0.f;
+      for (int64_t c = 0; c < d; ++c) u[c] += xi * inp_t[i * d + c];
+    }
+    for (int64_t c = 0; c < d; ++c) u[c] += inp_b[c];
+    stepped.push_back(j);
+    conv_rows.insert(conv_rows.end(), conv_table + r * layers, conv_table + (r + 1) * layers);
+    ssm_rows.insert(ssm_rows.end(), ssm_table + r * layers, ssm_table + (r + 1) * layers);
+  }
+  const int64_t b = static_cast<int64_t>(stepped.size());
+  if (b == 0) return;
+  decode_rows_on(sizes, pointers, x, logits, conv_rows.data(), ssm_rows.data(), b, eps, low, high, options, sgemm);
+  for (int64_t t = 0; t < b; ++t) out[stepped[t]] = static_cast<double>(logits[t * head_out] + head_bias);
 }
 
 // The hybrid stack's batch-1 decode step (decode_hybrid_run), its arrays checked by the caller

@@ -34,6 +34,10 @@ from .threads import workers
 
 #: The weight storage the library reads, by its kind number (``WeightKind`` of decode_model.h).
 WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.uint16): 2}
+#: The kind of int8 data holding no -128 (every int8 weight :func:`portable_ssm.quantize` makes),
+#: which a market stream's step takes through AVX-512 VNNI where the CPU has it (``digit_products``
+#: of shared.h); :func:`plan` gives it with ``int8_digits=True``.
+INT8_SYMMETRIC = 3
 #: Entries of the tables before the layers' and per layer.
 _HEAD_SIZES, _LAYER_SIZES, _HEAD_POINTERS, _LAYER_POINTERS = 6, 8, 5, 15
 #: The least weight bytes a thread of the step reads: about 0.1 ms at a core's streaming rate.
@@ -71,9 +75,11 @@ def _float32(a: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return a
 
 
-def _weight(w: Any, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, int, np.ndarray | None]:
+def _weight(w: Any, name: str, shape: tuple[int, ...], int8_digits: bool = False) -> tuple[
+        np.ndarray, int, np.ndarray | None]:
     """``(data, kind, scale or None)`` of a float32, int8 or bfloat16-bits weight ``shape`` (``[out,
-    in]``, or a stack ``[E, out, in]`` of experts' with a scale per row of each: ``[E, out]``)."""
+    in]``, or a stack ``[E, out, in]`` of experts' with a scale per row of each: ``[E, out]``);
+    ``int8_digits``: int8 data holding no -128 gets :data:`INT8_SYMMETRIC` (one pass over it)."""
     data, scale = (w.data, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
     kind = WEIGHT_KINDS.get(getattr(data, "dtype", None))
     if kind is None or not _fits(data) or data.shape != shape:
@@ -82,6 +88,8 @@ def _weight(w: Any, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, int,
                          f"{list(shape)}, got {got}")
     if scale is not None:
         _float32(scale, f"{name}'s scale", shape[:-1])
+    if int8_digits and kind == WEIGHT_KINDS[np.dtype(np.int8)] and data.size and data.min() > -128:
+        kind = INT8_SYMMETRIC
     return data, kind, scale
 
 
@@ -90,14 +98,14 @@ def _address(a: np.ndarray | None) -> int:
 
 
 def mamba_row(params: dict[str, Any], prefix: str, norm: np.ndarray, d: int, g: int, p: int, gate_norm: bool = True,
-              norm_before_gate: bool = False) -> tuple[list[np.ndarray | None], list[int], tuple[int, ...],
-                                                       tuple[int, ...]]:
+              norm_before_gate: bool = False, int8_digits: bool = False) -> tuple[
+                  list[np.ndarray | None], list[int], tuple[int, ...], tuple[int, ...]]:
     """The Mamba-2 mixer under ``prefix`` (``layers.{i}.mixer.``) as the library reads a layer: its
     15 table entries (None: a null pointer; ``norm`` the block's RMSNorm weight first), its 8 sizes,
     and its conv and SSM states' shapes at batch 1. ``gate_norm``: the gated RMSNorm's weight is read
     (mamba_ssm's rmsnorm), else none is (y·silu(z) straight into out_proj); ``norm_before_gate``:
-    rmsnorm(y)·silu(z) instead of rmsnorm(y·silu(z)). ValueError naming the
-    first array that does not fit (in_proj's output ``[z, xBC, dt]``, no projection biases)."""
+    rmsnorm(y)·silu(z) instead of rmsnorm(y·silu(z)); ``int8_digits``: as :func:`plan`'s. ValueError
+    naming the first array that does not fit (in_proj's output ``[z, xBC, dt]``, no projection biases)."""
     def get(leaf: str) -> Any:
         return params.get(prefix + leaf)
 
@@ -122,26 +130,29 @@ def mamba_row(params: dict[str, Any], prefix: str, norm: np.ndarray, d: int, g: 
            _float32(dt_bias, prefix + "dt_bias", (h,)), _float32(get("A_log"), prefix + "A_log", (h,)),
            _float32(D, prefix + "D", (h, p) if getattr(D, "ndim", 1) == 2 else (h,)),
            _float32(get("norm.weight"), prefix + "norm.weight", (h * p,)) if gate_norm else None, None, None, None]
-    w_in, in_kind, in_scale = _weight(get("in_proj.weight"), prefix + "in_proj.weight", (2 * h * p + 2 * g * n + h, d))
-    w_out, out_kind, out_scale = _weight(get("out_proj.weight"), prefix + "out_proj.weight", (d, h * p))
+    w_in, in_kind, in_scale = _weight(get("in_proj.weight"), prefix + "in_proj.weight", (2 * h * p + 2 * g * n + h, d),
+                                      int8_digits)
+    w_out, out_kind, out_scale = _weight(get("out_proj.weight"), prefix + "out_proj.weight", (d, h * p), int8_digits)
     sizes = [h, conv_dim, k, n, in_kind, out_kind, D.ndim == 2, norm_before_gate]
     return (row + [w_in, in_scale, w_out, out_scale], sizes,
             (1, conv_dim, k), (1, h, p, n))
 
 
-def head_row(params: dict[str, Any], weight: Any, d: int) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
+def head_row(params: dict[str, Any], weight: Any, d: int, int8_digits: bool = False) -> tuple[
+        np.ndarray, np.ndarray, int, np.ndarray | None]:
     """``(norm_f, head data, head kind, head scale or None)`` as the library reads them."""
     norm_f = _float32(params.get("norm_f.weight"), "norm_f.weight", (d,))
     rows = getattr(weight, "shape", (0,))[0]
-    head, kind, scale = _weight(weight, "the head's weight", (rows, d))
+    head, kind, scale = _weight(weight, "the head's weight", (rows, d), int8_digits)
     return norm_f, head, kind, scale
 
 
-def plan(params: dict[str, Any], config: Mamba2Config) -> Plan:
+def plan(params: dict[str, Any], config: Mamba2Config, *, int8_digits: bool = False) -> Plan:
     """``params`` of ``config``'s language model checked and gathered for :func:`decode_model`: the
     variant the kernel computes (in_proj's output ``[z, xBC, dt]``, no projection biases, float32
-    arrays; weights float32, int8 with row scales or bfloat16 bits). ValueError naming the first
-    array or setting that does not fit."""
+    arrays; weights float32, int8 with row scales or bfloat16 bits). ``int8_digits``: int8 weights
+    holding no -128 are marked :data:`INT8_SYMMETRIC` (a market stream's plan, whose step takes them
+    through VNNI; one pass over each). ValueError naming the first array or setting that does not fit."""
     c = config
     if c.d_mlp or not c.rmsnorm or c.norm_before_gate:
         raise ValueError("decode_model: config must have no gated MLP (d_mlp=0), rmsnorm=True and "
@@ -151,13 +162,13 @@ def plan(params: dict[str, Any], config: Mamba2Config) -> Plan:
     sizes, pointers, arrays, convs, ssms = [], [], [], [], []
     for i in range(c.n_layer):
         norm = _float32(params.get(f"layers.{i}.norm.weight"), f"layers.{i}.norm.weight", (d,))
-        row, layer_sizes, conv, ssm = mamba_row(params, f"layers.{i}.mixer.", norm, d, g, p)
+        row, layer_sizes, conv, ssm = mamba_row(params, f"layers.{i}.mixer.", norm, d, g, p, int8_digits=int8_digits)
         pointers += [_address(a) for a in row]
         arrays += [a for a in row if a is not None]
         sizes += layer_sizes
         convs.append(conv)
         ssms.append(ssm)
-    norm_f, head, head_kind, head_scale = head_row(params, lm.head_weight(params, c), d)
+    norm_f, head, head_kind, head_scale = head_row(params, lm.head_weight(params, c), d, int8_digits)
     arrays += [a for a in (norm_f, head, head_scale) if a is not None]
     return Plan(np.array([c.n_layer, d, g, p, head.shape[0], head_kind, *sizes], dtype=np.int64),
                 np.array([0, norm_f.ctypes.data, head.ctypes.data, _address(head_scale), 0, *pointers],

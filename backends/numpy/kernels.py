@@ -23,7 +23,7 @@ torch's whole-model step, one OpenMP region of :func:`.threads.workers` threads;
 The library is compiled on first use with the C++ compiler (``$CXX``, else ``c++``, ``g++`` or
 ``clang++``; a few seconds, once) and cached as ``numpy_kernels_<hash>.so`` under
 ``$PORTABLE_SSM_CACHE`` (default ``$XDG_CACHE_HOME/portable_ssm``, i.e. ``~/.cache/portable_ssm``), the
-hash covering every source file, the flags (``PORTABLE_SSM_CPU_ISA`` picks the avx2 or avx512 build,
+hash covering every source file, the flags (``PORTABLE_SSM_CPU_ISA`` picks the auto, avx2 or avx512 build,
 :func:`.cpu_source.isa`) and the compiler, beside a record of its size and sha256
 (:mod:`portable_ssm.backends.kernel_cache`: each written to a temporary file, fsync'd and renamed
 into place). It is loaded only where it is a regular file of this user's, writable by no one else,
@@ -56,7 +56,7 @@ import numpy as np
 
 from portable_ssm import ssd
 
-from ..cpu_source import ENV, SIMD_FLAGS, head_block, isa, simd_flags, source_key, source_path
+from ..cpu_source import ENV, head_block, isa, simd_flags, source_key, source_path
 from ..kernel_cache import CACHE_ENV as CACHE_ENV  # the cache folder's variable, as before
 from ..kernel_cache import cache_dir, damage, locked, store
 from .threads import blas_sgemm, row_ranges, run_all, workers
@@ -67,8 +67,6 @@ SOURCE_FILE = "numpy_kernels.cpp"
 #: The flags after the SIMD ones (:func:`.cpu_source.simd_flags`): a position-independent shared
 #: library with OpenMP (the whole-model decode step's parallel region, :mod:`.decode`).
 LIBRARY_FLAGS = ("-std=c++17", "-shared", "-fPIC", "-fopenmp")
-#: The flags of the default (AVX2) build.
-CXXFLAGS = (*SIMD_FLAGS, *LIBRARY_FLAGS)
 #: Heads per pass of the native scan (NumPy's loop and this one's work items): a block's state and a
 #: chunk's decays stay in L2.
 SCAN_HEAD_BLOCK = 12
@@ -91,8 +89,11 @@ _SIGNATURES = {
     "portable_ssm_decode_rows": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, ctypes.c_double, ctypes.c_double,
                                  ctypes.c_double, _POINTER, _POINTER],
     "portable_ssm_decode_hybrid": [_POINTER, _POINTER, _POINTER, _INT],
+    "portable_ssm_market_bar": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, ctypes.c_double, ctypes.c_double,
+                                ctypes.c_double, _POINTER, _POINTER, _POINTER],
+    "portable_ssm_vnni_usable": [],
 }
-_RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double}
+_RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double, "portable_ssm_vnni_usable": _INT}
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, ctypes.CDLL | None] = {}  # per build (isa): the library or None, after its first attempt
@@ -138,7 +139,7 @@ def library_path(cxx: str) -> Path:
 
 
 def flags() -> tuple[str, ...]:
-    """The compiler's flags for the build :func:`.cpu_source.isa` picks (:data:`CXXFLAGS` for avx2)."""
+    """The compiler's flags for the build :func:`.cpu_source.isa` picks."""
     return (*simd_flags(), *LIBRARY_FLAGS)
 
 
@@ -320,6 +321,13 @@ def masked_softmax(scores: np.ndarray, scale: float, visible: np.ndarray, first:
     lib.portable_ssm_masked_softmax(scores.ctypes.data, rows, cols, scale, visible.ctypes.data, visible.strides[0],
                                     period, first, inv.ctypes.data)
     return inv
+
+
+def vnni_products() -> bool:
+    """Whether the library's int8 products of weights holding no -128 (a plan's ``INT8_SYMMETRIC``
+    kind, :mod:`.decode`) go through AVX-512 VNNI: the auto or avx512 build on a CPU with it."""
+    lib = library()
+    return lib is not None and bool(lib.portable_ssm_vnni_usable())
 
 
 def row_product(row: np.ndarray, weight: np.ndarray, scale: np.ndarray | None) -> np.ndarray | None:
