@@ -19,12 +19,14 @@ of state per instrument). Paths: ``StreamPredictor`` (what a user had before iss
 instrument, features rebuilt from Bars, ``portable_ssm.step``); ``MarketStream, portable_ssm.step``
 (``fast=False``: that same reference step, for all N rows in one batched call, the old path at
 every N; the per-row native step that the tables of 2026-12-06 18:22 UTC call "per row (old)" was
-removed from MarketStream); ``MarketStream (new)``: every row in one call of
-``portable_ssm.backends.numpy.rows.RowsStep`` (torch: on zero-copy NumPy views of its tensors), the
-products through the row kernel below ``GEMM_ROWS`` rows and OpenBLAS's sgemm from there; with
-``--both-products`` also each of the two at every N. ``--weights`` (default all three) also times
-``MarketStream (new)`` of the model whose backbone projections are stored as int8 or bfloat16
-(``MarketModel.quantize``; the row kernel at every N, sgemm being float32 only); its ``weight_mib``
+removed from MarketStream); ``MarketStream (new)``: the whole bar, after the checks, in one call of
+``portable_ssm.backends.numpy.rows.MarketBar`` (features, inputs, then every row through
+``RowsStep``; torch: on zero-copy NumPy views of its tensors), the products through the row kernel
+below ``GEMM_ROWS`` rows and OpenBLAS's sgemm from there; with ``--both-products`` also each of the
+two at every N. ``--weights`` (default all three) also times ``MarketStream (new)`` of the model
+whose backbone projections are stored as int8 or bfloat16 (``MarketModel.quantize``; the row kernel
+at every N, sgemm being float32 only; int8 through AVX-512 VNNI where the CPU has it and
+``PORTABLE_SSM_CPU_ISA`` is not ``avx2``, which the JSON line's ``int8_vnni`` says); its ``weight_mib``
 column is the bytes of the backbone a bar reads (``portable_ssm.params_nbytes``). Reading: each case
 runs in a fresh process and reports records/s and its peak RSS (VmHWM) above the RSS after imports.
 """
@@ -316,7 +318,10 @@ def main() -> None:
     p.add_argument("--records", type=int, default=10_000_000)
     p.add_argument("--reference-records", type=int, default=1_000_000)
     args = p.parse_args()
-    result = {"load_average_at_start": [round(v, 1) for v in os.getloadavg()], "cpus": os.cpu_count()}
+    from portable_ssm.backends.numpy import kernels
+
+    result = {"load_average_at_start": [round(v, 1) for v in os.getloadavg()], "cpus": os.cpu_count(),
+              "int8_vnni": kernels.vnni_products()}
     if args.only == "breakdown":
         result["breakdown"] = {f"{backend}, {kind}": breakdown(backend, weights=kind)
                                for backend in ("numpy", "torch") for kind in args.weights}
