@@ -6,7 +6,7 @@ step with the weights prepared once (transposed, A = -exp(A_log)) and the state 
 in about thirty NumPy calls per layer. It takes the variant market models use: float32, no gated
 MLP (``d_ssm`` None), the RMS norm after the gate, no projection biases; :meth:`NumpyStep.supports`
 says whether a model is one. ``MarketStream`` uses it on NumPy where the compiled library (its
-``RowsStep``) is off or not built, and its test holds it to the reference within float32 rounding.
+``MarketBar``) is off or not built, and its test holds it to the reference within float32 rounding.
 Shapes: k rows, d = d_model, h heads of p channels, g groups of n state entries, K conv taps.
 """
 
