@@ -170,10 +170,17 @@ def _columns(path: str, schema: str, records: np.ndarray) -> dict[str, np.ndarra
     return out
 
 
+#: Records the columns grow by at a time when a zstd stream outruns its size hint (about 50 MiB of
+#: OHLCV columns): ``ndarray.resize`` zero-fills what it adds, so a doubling made up to the output's
+#: size resident again, where a fixed step leaves one step; past 32 MiB an array is its own mapping,
+#: which ``realloc`` grows by moving pages, not bytes.
+GROW_RECORDS = 1 << 20
+
+
 class _Columns:
     """The chunks' columns joined into arrays allocated once: of the file's record count when it
     bounds them (a plain file), else of the zstd frame's content size when it records one, grown
-    geometrically (``ndarray.resize``) when the records outrun that hint."""
+    by :data:`GROW_RECORDS` (``ndarray.resize``) when the records outrun that hint."""
 
     def __init__(self, capacity: int, exact: bool) -> None:
         self.capacity, self.grows, self.out, self.n = capacity, not exact, None, 0
@@ -181,10 +188,10 @@ class _Columns:
     def add(self, columns: dict[str, np.ndarray]) -> None:
         m = columns["ts_event"].shape[0]
         if self.out is None:  # untouched pages cost no memory: only the rows written are resident
-            self.capacity = max(self.capacity, 2 * m) if self.grows else self.capacity
+            self.capacity = max(self.capacity, m) if self.grows else self.capacity
             self.out = {name: np.empty(self.capacity, v.dtype) for name, v in columns.items()}
         if self.n + m > self.capacity:
-            self.capacity = max(2 * self.capacity, self.n + m)
+            self.capacity = self.n + m + GROW_RECORDS
             for values in self.out.values():
                 values.resize(self.capacity, refcheck=False)  # no view of these arrays exists yet
         for name, values in columns.items():

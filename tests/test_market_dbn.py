@@ -143,3 +143,26 @@ def test_a_zstd_frames_content_size_sizes_the_columns_and_a_larger_claim_is_capp
     assert record_capacity(path)[0] < 10**5
     with pytest.raises(MarketDataError, match="record 300 has length 0 bytes"):
         read_dbn_columns(path)
+
+
+def test_a_zstd_stream_without_its_size_grows_its_columns_by_a_fixed_step_and_reads_every_record(tmp_path,
+                                                                                                monkeypatch):
+    """Past its size hint the columns grow by GROW_RECORDS, not doubling (``resize`` zero-fills what it
+    adds, so a doubling made up to the output's size resident again); the records are all there."""
+    from portable_ssm.market import bars as bars_module
+
+    records = _records("ohlcv-1s", 300, seed=5)
+    path = tmp_path / "streamed.dbn.zst"
+    path.write_bytes(zstandard.ZstdCompressor(write_content_size=False).compress(
+        _metadata("ohlcv-1s") + b"".join(bytes(r) for r in records)))
+    monkeypatch.setattr(bars_module, "GROW_RECORDS", 5)
+    seen, real = [], bars_module._Columns.add
+    monkeypatch.setattr(bars_module._Columns, "add",
+                        lambda self, c: real(self, c) or seen.append((self.n, self.capacity)))
+    for instrument in (1, 2):
+        seen.clear()
+        columns = read_dbn_columns(path, instrument_id=instrument, chunk_records=16)[1]
+        assert len(seen) > 5 and all(capacity <= n + 5 for n, capacity in seen[1:])  # a step past at most
+        want = _reference(records, "ohlcv-1s", instrument)
+        for name, values in want.items():
+            np.testing.assert_array_equal(columns[name], values, err_msg=f"{instrument} {name}")
