@@ -37,8 +37,10 @@ def feature_rows(previous_log_close: np.ndarray, previous_log_volume: np.ndarray
                  lo: np.ndarray, c: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The feature rows ``[n, F]`` of n bars given the log close and log1p volume of the bar before
     each (NaN: none or missing), and each bar's own ``(log close, log1p volume)`` for the next call.
-    :func:`bar_features` and the streaming predictors both compute features through it, so a
-    streamed row equals the batch row bit for bit."""
+    :func:`bar_features` and the streaming predictors' NumPy paths both compute features through it,
+    so such a streamed row equals the batch row bit for bit; the compiled bar
+    (``portable_ssm.backends.numpy.rows.MarketBar``) computes the same formulas in C, whose ``log``
+    and ``log1p`` may differ from NumPy's in the last bit."""
     prices = np.array([o, h, lo, c])  # [4, n] (np.array: np.stack's checks cost a stream's bar more than this)
     present = (np.isfinite(prices) & (prices > 0)).all(axis=0) & np.isfinite(v) & (v >= 0)
     o, h, lo, c = np.where(present, prices, np.nan)  # [n] each: a missing bar is NaN throughout

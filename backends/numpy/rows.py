@@ -144,8 +144,8 @@ class MarketBar:
     features from its five fields and carried values, normalised and mapped by the head's input map,
     then :class:`RowsStep`'s step for the rows that had a bar before, and ``logit + head bias``
     (float64; NaN for a row's first bar), as :class:`portable_ssm.market.MarketStream` computes them
-    in NumPy (the features in float64 with the C library's ``log`` and ``log1p``: within an ulp of
-    NumPy's; each input then rounded to float32).
+    in NumPy (the features in float64 with the C library's ``log`` and ``log1p``, which may differ
+    from NumPy's in the last bit; each input then rounded to float32).
 
     Args:
         step: the model's step (its states bound before each call; :meth:`bind` after each bind).
