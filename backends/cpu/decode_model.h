@@ -52,13 +52,6 @@ inline void row_share(const RowWeight& w, const float* x, float* y, int64_t begi
   }
 }
 
-// x's digits into `digits` where w is int8 with no -128 (else left alone); the pointer row_share takes.
-inline const ByteRow* digits_for(const RowWeight& w, const float* x, ByteRow& digits) {
-  if (w.kind != kWeightI8Sym) return nullptr;
-  digits.make(x, w.in);
-  return &digits;
-}
-
 // Rows [first, first + count) of w as a weight (of a stack [E·out, in] of experts' weights: expert
 // e's at first = e·out).
 inline RowWeight rows_of(const RowWeight& w, int64_t first, int64_t count) {
@@ -408,15 +401,17 @@ namespace {
 // int8 rows with no -128 through VNNI: each x row's byte digits made once, not once per block of rows.
 inline void tiled_products(const RowWeight& w, const float* x, int64_t b, float* y) {
   const int64_t tile = std::max<int64_t>(8, (int64_t{256} << 10) / (4 * w.in));  // x rows in 256 KiB
-  std::vector<ByteRow> made(w.kind == kWeightI8Sym ? static_cast<size_t>(b) : 0);
-  std::vector<const ByteRow*> digits(static_cast<size_t>(b), nullptr);
-  for (int64_t j = 0; j < static_cast<int64_t>(made.size()); ++j) digits[j] = digits_for(w, x + j * w.in, made[j]);
-  const int64_t block = made.empty() ? 8 : 64;  // weight rows a pass: 64 int8 rows fit L2 as 8 float32 ones do
+  const bool int8 = w.kind == kWeightI8Sym;
+  std::vector<ByteRow> digits(int8 ? static_cast<size_t>(b) : 0);
+  for (int64_t j = 0; j < static_cast<int64_t>(digits.size()); ++j) digits[j].make(x + j * w.in, w.in);
+  const int64_t block = int8 ? 64 : 8;  // weight rows a pass: 64 int8 rows fit L2 as 8 float32 ones do
   for (int64_t j0 = 0; j0 < b; j0 += tile) {
     const int64_t j1 = std::min(b, j0 + tile);
     for (int64_t r0 = 0; r0 < w.out; r0 += block) {
       const int64_t r1 = std::min(w.out, r0 + block);
-      for (int64_t j = j0; j < j1; ++j) row_share(w, x + j * w.in, y + j * w.out, r0, r1, digits[j]);
+      for (int64_t j = j0; j < j1; ++j) {
+        row_share(w, x + j * w.in, y + j * w.out, r0, r1, int8 ? &digits[j] : nullptr);
+      }
     }
   }
 }

@@ -146,9 +146,10 @@ inline void row_products(const T* w, const float* x, const float* scale, float* 
   }
 }
 
-// Bytes of byte_digits' output for n elements: three digit rows and a sign row, each n rounded up
-// to 64 (zero digits past n).
-inline int64_t digit_bytes(int64_t n) { return 4 * ((n + 63) / 64 * 64); }
+// Bytes of each of byte_digits' four rows for n elements: n rounded up to 64 (zero digits past n).
+inline int64_t digit_width(int64_t n) { return (n + 63) / 64 * 64; }
+// Bytes of byte_digits' output for n elements: three digit rows and a sign row.
+inline int64_t digit_bytes(int64_t n) { return 4 * digit_width(n); }
 
 #if defined(PORTABLE_SSM_VNNI)
 // int8 weights times a float32 row through AVX-512 VNNI (vpdpbusd: unsigned bytes times signed
@@ -171,13 +172,13 @@ inline bool vnni_usable() {
 // x [n] as byte digits into out [digit_bytes(n)] ([d0, d1, d2, signs], each padded to 64), and
 // its unit; false (out unwritten) where x is not finite or its largest magnitude is below 2^-100.
 PORTABLE_SSM_TARGET_VNNI inline bool byte_digits(const float* x, int64_t n, uint8_t* out, float* unit) {
-  const int64_t m = (n + 63) / 64 * 64;
+  const int64_t m = digit_width(n);
   __m512 top = _mm512_setzero_ps();
   __mmask16 finite = 0xFFFF;
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, x + i));
-    finite &= _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) | __mmask16(~lanes);
+    const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, x + i));  // lanes past n: 0, finite
+    finite &= _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
     top = _mm512_max_ps(top, a);
   }
   const float largest = _mm512_reduce_max_ps(top);
@@ -211,7 +212,7 @@ constexpr int64_t kDigitBlock = 2048;
 // lanes[r] = the float32 lanes of w [R rows from w, n] · x, x as byte_digits' digits [digit_bytes(n)].
 template <int R>
 PORTABLE_SSM_TARGET_VNNI inline void digit_lanes_rows(const int8_t* w, const uint8_t* digits, int64_t n, __m512* lanes) {
-  const int64_t m = (n + 63) / 64 * 64;
+  const int64_t m = digit_width(n);
   for (int r = 0; r < R; ++r) lanes[r] = _mm512_setzero_ps();
   for (int64_t start = 0; start < n; start += kDigitBlock) {
     const int64_t stop = std::min(n, start + kDigitBlock);
