@@ -87,7 +87,6 @@ class MarketStream:
         like = head["inp.weight"]
         self._xp, self._backend, self._device, self._dtype = (namespace(like=like), array_backend(like),
                                                               device(like), like.dtype)
-        self._bar_bound: tuple[np.ndarray, np.ndarray] | None = None  # the carried arrays it holds the addresses of
         self._ids: list[int] = []
         self._row: dict[int, int] = {}
         self._id_array = self._all_rows = np.zeros(0, np.int64)  # [N]: the ids in row order, and their rows
@@ -271,26 +270,23 @@ class MarketStream:
         self.state = state if everyone else self._scatter(index, state)
         return np.asarray(to_backend(out, "numpy"), dtype=np.float64)[:, 0]
 
-    def _bind_step(self) -> None:
-        """The states' arrays bound to :class:`~portable_ssm.backends.numpy.rows.RowsStep` where they are
-        not (joined, left or replaced since the last bar)."""
+    def _bind_bar(self) -> None:
+        """The states' arrays, and the carried values and seen flags, bound to the bar's step where they
+        are not (joined, left or replaced since the last bar: a join or leave replaces all three)."""
         if self._bound is not self.state:
             parts = [self._host(list(part)) for part in (self.state.conv, self.state.ssm)]
             if any(p is None or not all(a.flags.c_contiguous for a in p) for p in parts):
                 raise ValueError("MarketStream.state: expected contiguous float32 arrays on the model's backend")
             self._bar.step.bind(*parts)
+            self._bar.bind(self._previous, self._seen)
             self._bound = self.state
-            self._bar_bound = None
 
     def _whole_bar(self, rows: np.ndarray, fields: list[np.ndarray]) -> np.ndarray:
         """:meth:`update` after its checks as one call of
         :class:`~portable_ssm.backends.numpy.rows.MarketBar`: features, inputs and the step together."""
         if self.state is None:  # no instrument streaming: nothing to step
             return np.zeros(0)
-        self._bind_step()
-        if self._bar_bound is None or self._bar_bound[0] is not self._previous or self._bar_bound[1] is not self._seen:
-            self._bar.bind(self._previous, self._seen)
-            self._bar_bound = (self._previous, self._seen)
+        self._bind_bar()
         given = self._bar.fields(rows.size)  # [5, k]
         for i, value in enumerate(fields):
             given[i] = value

@@ -15,6 +15,8 @@ one check of the input and one library call.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from . import kernels
@@ -125,14 +127,19 @@ class RowsStep:
         picked = None if rows is None else (self._tables[0][rows], self._tables[1][rows])  # alive through the call
         conv, ssm = self._every if picked is None else (picked[0].ctypes.data, picked[1].ctypes.data)
         self._pointers[0], self._pointers[4] = u_at, logits_at
+        self._invoke(self._call, k, (conv, ssm, k))
+        return logits.copy()
+
+    def _invoke(self, function: Any, k: int, middle: tuple[Any, ...], after: tuple[Any, ...] = ()) -> None:
+        """``function(sizes, pointers, *middle, eps, low, high, options, sgemm, *after)`` of the library
+        for a call of ``k`` rows, OpenBLAS held at one thread where they go to its sgemm."""
         sizes, pointers, options = self._fixed
-        low, high = self.model.dt_limit
+        args = (sizes, pointers, *middle, self.model.eps, *self.model.dt_limit, options, self._sgemm, *after)
         if 0 < self._gemm_rows <= k:
             with one_blas_thread():
-                self._call(sizes, pointers, conv, ssm, k, self.model.eps, low, high, options, self._sgemm)
+                function(*args)
         else:
-            self._call(sizes, pointers, conv, ssm, k, self.model.eps, low, high, options, self._sgemm)
-        return logits.copy()
+            function(*args)
 
     def __repr__(self) -> str:
         return f"RowsStep(rows bound={self._batch}, gemm_rows={self._gemm_rows})"
@@ -220,13 +227,6 @@ class MarketBar:
         self.step.inputs(k)
         _, _, x_at, logits_at = self.step._buffers[k]
         self._table[10], self._table[11] = x_at, logits_at
-        sizes, pointers, options = self.step._fixed
-        low, high = self.step.model.dt_limit
-        args = (sizes, pointers, self._table_at, None if rows is None else rows.ctypes.data, k, self._n,
-                self.step.model.eps, low, high, options, self.step._sgemm, out_at)
-        if 0 < self.step._gemm_rows <= k:
-            with one_blas_thread():
-                self._call(*args)
-        else:
-            self._call(*args)
+        rows_at = None if rows is None else rows.ctypes.data
+        self.step._invoke(self._call, k, (self._table_at, rows_at, k, self._n), (out_at,))
         return out.copy()
