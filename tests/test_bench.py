@@ -530,7 +530,7 @@ def test_hybrid_llama_rows_say_which_rule_a_shape_breaks(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))  # as if installed
     monkeypatch.setattr(llama, "importlib", types.SimpleNamespace(  # and gguf, transformers, torch, tokenizers
         util=types.SimpleNamespace(find_spec=lambda name: True)))
-    granite, falcon = hybrid_models.SHAPES
+    granite, falcon = hybrid_models.GRANITE_350M, hybrid_models.FALCON_H1_05B
     assert llama.hybrid_unavailable(None, granite) == llama.unavailable(None)
     converter = tmp_path / "convert_hf_to_gguf.py"
     converter.write_text("")

@@ -113,7 +113,6 @@ FALCON_H1_05B = _falcon("falcon-h1-0.5b", layers=36, d=1024, heads=8, kv_heads=2
 #: llama.cpp's, beside their bfloat16 and 8-bit copies in the project's 24 GiB; its layers are the same.
 GRANITE_MOE = _granite("granite-4.0-h-tiny-4-layers", layers=4, attention=(1,), d=1536, heads=12, kv_heads=4,
                        mamba_heads=48, d_state=128, d_ff=1024, experts=64, top_k=6, d_expert=512)
-SHAPES = (GRANITE_350M, FALCON_H1_05B)
 #: ``--quick``: the same families at d 64 (a few layers, the real vocabularies).
 QUICK_SHAPES = (_granite("tiny-granite-h", layers=4, attention=(1, 3), d=64, heads=4, kv_heads=2, mamba_heads=4,
                          d_state=16, d_ff=128),
