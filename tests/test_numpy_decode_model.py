@@ -95,6 +95,28 @@ def test_only_a_plan_for_vnni_marks_int8_weights_and_a_minus_128_keeps_the_widen
         assert _rel(got[0], want[0]) < 2e-6
 
 
+@pytest.mark.parametrize(("out", "n"), [(1, 1), (37, 9), (64, 8), (130, 5)])
+def test_a_symmetric_int8_weight_holds_its_rows_then_its_vnni_tiles_in_the_documented_order(out, n):
+    """Kind 3's bytes (shared.h): the rows, zeros to 64 bytes, then per 64 rows a tile of B blocks of
+    16 rows as [groups of 4 columns][B][16][4]; every weight at its place, zeros elsewhere."""
+    rng = np.random.default_rng(out + n)
+    w = rng.integers(-127, 128, (out, n), dtype=np.int8)
+    data = decode.symmetric_int8(w)
+    at = -(-out * n // 64) * 64  # vnni_tiles_at
+    groups = -(-n // 4)
+    assert data.dtype == np.int8 and data.size == at + -(-out // 16) * 16 * groups * 4
+    np.testing.assert_array_equal(data[:out * n], w.reshape(-1))
+    assert not data[out * n:at].any()
+    expected = np.zeros(data.size - at, np.int8)
+    for r in range(out):
+        first = r // 64 * 64
+        blocks = min(4, -(-(out - first) // 16))
+        for c in range(n):
+            g, j, b, i = c // 4, c % 4, (r - first) // 16, r % 16
+            expected[first * groups * 4 + ((g * blocks + b) * 16 + i) * 4 + j] = w[r, c]
+    np.testing.assert_array_equal(data[at:], expected)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 9])  # 9: more threads than the model's 4 heads
 def test_numpy_whole_model_step_is_the_same_on_any_thread_count_and_leaves_its_inputs(library, monkeypatch, threads):
     config, params, token, state = _model("int8")

@@ -20,7 +20,8 @@
 namespace {
 
 // A weight's storage as the row kernel reads it: kWeightI8Sym is int8 known to hold no -128 (the
-// caller checked), which int8_products may take through VNNI.
+// caller checked), its VNNI tiles after its rows (shared.h), which int8_products may take through
+// VNNI; only whole weights have this kind (rows_of does not split it).
 enum WeightKind : int64_t { kWeightF32 = 0, kWeightI8 = 1, kWeightBF16 = 2, kWeightI8Sym = 3 };
 
 // A weight [out, in] as the row kernel reads it: float32, int8 (times a float32 scale per row, or
@@ -43,7 +44,7 @@ inline void row_share(const RowWeight& w, const float* x, float* y, int64_t begi
     case kWeightF32: row_products(static_cast<const float*>(w.data), x, w.scale, y, w.in, begin, end); break;
     case kWeightI8Sym:
       if (digits != nullptr) {
-        int8_products(static_cast<const int8_t*>(w.data), x, *digits, w.scale, y, w.in, begin, end);
+        int8_products(static_cast<const int8_t*>(w.data), x, *digits, w.scale, y, w.out, w.in, begin, end);
         break;
       }
       [[fallthrough]];

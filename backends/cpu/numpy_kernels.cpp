@@ -191,16 +191,16 @@ void portable_ssm_masked_softmax(float* s, int64_t rows, int64_t cols, float sca
 }
 
 // Rows [begin, end) of y [rows] = (w [rows, n] @ x [n]) · scale [rows] (scale null: none), w's kind
-// 1: int8, 2: bfloat16 bits (uint16), 3: int8 with no -128 (int8_products: VNNI where usable), all
-// contiguous.
-void portable_ssm_row_product(const void* w, int64_t kind, const float* x, const float* scale, float* y, int64_t n,
-                              int64_t begin, int64_t end) {
+// 1: int8, 2: bfloat16 bits (uint16), 3: int8 with no -128, its VNNI tiles after it (int8_products:
+// VNNI where usable), all contiguous.
+void portable_ssm_row_product(const void* w, int64_t kind, const float* x, const float* scale, float* y, int64_t rows,
+                              int64_t n, int64_t begin, int64_t end) {
   if (kind == 1) {
     row_products(static_cast<const int8_t*>(w), x, scale, y, n, begin, end);
   } else if (kind == 3) {
     ByteRow digits;
     digits.make(x, n);
-    int8_products(static_cast<const int8_t*>(w), x, digits, scale, y, n, begin, end);
+    int8_products(static_cast<const int8_t*>(w), x, digits, scale, y, rows, n, begin, end);
   } else {
     row_products(static_cast<const uint16_t*>(w), x, scale, y, n, begin, end);
   }

@@ -146,19 +146,22 @@ inline void row_products(const T* w, const float* x, const float* scale, float* 
   }
 }
 
-// Bytes of each of byte_digits' four rows for n elements: n rounded up to 64 (zero digits past n).
-inline int64_t digit_width(int64_t n) { return (n + 63) / 64 * 64; }
-// Bytes of byte_digits' output for n elements: three digit rows and a sign row.
-inline int64_t digit_bytes(int64_t n) { return 4 * digit_width(n); }
+// A kind-3 weight (int8 [out, n] with no -128) is its rows, then from byte vnni_tiles_at(out, n) the
+// same weights in VNNI's order: for each 64 rows (a tile of up to four blocks of 16 rows),
+// [groups of 4 columns][blocks][16 rows][4 bytes], zero past n and past out (vnni_tiles of
+// backends/numpy/decode.py makes them). One x element's 4-byte group then multiplies 16 rows in
+// one instruction, each lane summing one row, with no sum across lanes.
+inline int64_t vnni_groups(int64_t n) { return (n + 3) / 4; }
+inline int64_t vnni_tiles_at(int64_t out, int64_t n) { return (out * n + 63) / 64 * 64; }
 
 #if defined(PORTABLE_SSM_VNNI)
 // int8 weights times a float32 row through AVX-512 VNNI (vpdpbusd: unsigned bytes times signed
 // bytes, four products summed into each int32 lane), where the CPU has it (vnni_usable): the row x
 // [n] becomes q = round(|x| / unit) with unit = max|x| / (2^24 - 1), 24 bits as three unsigned
 // byte digits, and its signs; each weight byte takes its x element's sign, so
-// w·x = unit · Σ_d 256^d Σ_i (sign_i w_i) digit_d,i, every digit product exact in int32. The
-// error is x's rounding to 24 bits of its largest element (at most unit / 2 an element) and the
-// float32 sums of the lanes: a float32 dot product's. Weights must hold no -128 (its negation does
+// w·x = unit · Σ_d 256^d Σ_i (sign_i w_i) digit_d,i, summed exactly in integers. The error is x's
+// rounding to 24 bits of its largest element (at most unit / 2 an element) and one float32 rounding
+// of the exact sum: within a float32 dot product's. Weights must hold no -128 (its negation does
 // not fit a byte): the caller says so with the kind kWeightI8Sym. Rows whose x is not finite, or
 // whose largest element is below 2^-100 (unit would underflow), take row_products instead.
 #define PORTABLE_SSM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
@@ -169,10 +172,13 @@ inline bool vnni_usable() {
   return usable;
 }
 
-// x [n] as byte digits into out [digit_bytes(n)] ([d0, d1, d2, signs], each padded to 64), and
-// its unit; false (out unwritten) where x is not finite or its largest magnitude is below 2^-100.
-PORTABLE_SSM_TARGET_VNNI inline bool byte_digits(const float* x, int64_t n, uint8_t* out, float* unit) {
-  const int64_t m = digit_width(n);
+// x [n] as three rows of byte digits into digits [3 · 4·vnni_groups(n)] (zero past n) and, per group
+// of 4 elements, the 64-bit mask of a tile row's bytes whose element is negative into signs
+// [vnni_groups(n)]; and its unit. False (nothing written) where x is not finite or its largest
+// magnitude is below 2^-100.
+PORTABLE_SSM_TARGET_VNNI inline bool byte_digits(const float* x, int64_t n, uint8_t* digits, uint64_t* signs,
+                                                 float* unit) {
+  const int64_t groups = vnni_groups(n), m = 4 * groups;
   __m512 top = _mm512_setzero_ps();
   __mmask16 finite = 0xFFFF;
   for (int64_t i = 0; i < n; i += 16) {
@@ -187,106 +193,128 @@ PORTABLE_SSM_TARGET_VNNI inline bool byte_digits(const float* x, int64_t n, uint
   const __m512 inverse = _mm512_set1_ps(16777215.0f / largest);
   const __m512i byte = _mm512_set1_epi32(255), most = _mm512_set1_epi32(16777215);
   for (int64_t i = 0; i < m; i += 16) {
-    const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : n > i ? __mmask16((1u << (n - i)) - 1) : 0;
-    const __m512 v = _mm512_maskz_loadu_ps(lanes, x + i);
+    const __mmask16 lanes = m - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (m - i)) - 1);
+    const __mmask16 given = n - i >= 16 ? __mmask16(0xFFFF) : n > i ? __mmask16((1u << (n - i)) - 1) : 0;
+    const __m512 v = _mm512_maskz_loadu_ps(given, x + i);
     const __m512i q = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_abs_ps(v), inverse)), most);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(_mm512_and_si512(q, byte)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + m + i),
-                     _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(q, 8), byte)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * m + i), _mm512_cvtepi32_epi8(_mm512_srli_epi32(q, 16)));
-    const __mmask16 negative = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 3 * m + i),
-                     _mm512_cvtepi32_epi8(_mm512_mask_blend_epi32(negative, _mm512_set1_epi32(1), _mm512_set1_epi32(-1))));
+    _mm512_mask_cvtepi32_storeu_epi8(digits + i, lanes, _mm512_and_si512(q, byte));
+    _mm512_mask_cvtepi32_storeu_epi8(digits + m + i, lanes, _mm512_and_si512(_mm512_srli_epi32(q, 8), byte));
+    _mm512_mask_cvtepi32_storeu_epi8(digits + 2 * m + i, lanes, _mm512_srli_epi32(q, 16));
+    const uint32_t negative = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    for (int64_t j = 0; j < 4 && i / 4 + j < groups; ++j) {  // a tile row's 64 bytes: 16 rows of the group's 4
+      signs[i / 4 + j] = uint64_t((negative >> (4 * j)) & 15) * 0x1111111111111111ull;
+    }
   }
   return true;
 }
 
-// The float32 lanes Σ_d 256^d a_d of three digits' int32 accumulators (a0 + 256·a1 fits an int32
-// over one block of kDigitBlock elements: four lanes' 128 products of at most 255·127 each).
-PORTABLE_SSM_TARGET_VNNI inline __m512 digit_lanes(__m512i a0, __m512i a1, __m512i a2) {
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_set1_ps(65536.0f),
-                         _mm512_cvtepi32_ps(_mm512_add_epi32(a0, _mm512_slli_epi32(a1, 8))));
+// The 8 int64 lanes of half `part` of a's 16 int32 lanes.
+PORTABLE_SSM_TARGET_VNNI inline __m512i wide_half(__m512i a, int part) {
+  return _mm512_cvtepi32_epi64(part == 0 ? _mm512_castsi512_si256(a) : _mm512_extracti64x4_epi64(a, 1));
 }
-constexpr int64_t kDigitBlock = 2048;
+// Groups a pass of tile_digit_products sums in int32: four lanes' 4·kDigitGroups products of at
+// most 255·127 each (66 M) fit.
+constexpr int64_t kDigitGroups = 512;
 
-// lanes[r] = the float32 lanes of w [R rows from w, n] · x, x as byte_digits' digits [digit_bytes(n)].
-template <int R>
-PORTABLE_SSM_TARGET_VNNI inline void digit_lanes_rows(const int8_t* w, const uint8_t* digits, int64_t n, __m512* lanes) {
-  const int64_t m = digit_width(n);
-  for (int r = 0; r < R; ++r) lanes[r] = _mm512_setzero_ps();
-  for (int64_t start = 0; start < n; start += kDigitBlock) {
-    const int64_t stop = std::min(n, start + kDigitBlock);
-    __m512i a0[R], a1[R], a2[R];
-    for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = _mm512_setzero_si512();
-    for (int64_t i = start; i < stop; i += 64) {
-      const __mmask64 bytes = stop - i >= 64 ? ~__mmask64(0) : (__mmask64(1) << (stop - i)) - 1;
-      const __m512i d0 = _mm512_loadu_si512(digits + i), d1 = _mm512_loadu_si512(digits + m + i),
-                    d2 = _mm512_loadu_si512(digits + 2 * m + i);
-      const __mmask64 negative = _mm512_movepi8_mask(_mm512_loadu_si512(digits + 3 * m + i));
-      for (int r = 0; r < R; ++r) {
-        const __m512i raw = _mm512_maskz_loadu_epi8(bytes, w + r * n + i);
-        const __m512i signed_w = _mm512_mask_sub_epi8(raw, negative, _mm512_setzero_si512(), raw);
-        a0[r] = _mm512_dpbusd_epi32(a0[r], d0, signed_w);
-        a1[r] = _mm512_dpbusd_epi32(a1[r], d1, signed_w);
-        a2[r] = _mm512_dpbusd_epi32(a2[r], d2, signed_w);
+// y[r] = (w[r] · x)·unit·scale[r] for the rows r in [lo, hi) of one tile of B blocks (tile: its
+// bytes, y and scale from its first row; scale null: none), x as byte_digits' digits and signs.
+template <int B>
+PORTABLE_SSM_TARGET_VNNI inline void tile_digit_products(const int8_t* tile, const uint8_t* digits,
+                                                         const uint64_t* signs, int64_t groups, float unit,
+                                                         const float* scale, float* y, int64_t lo, int64_t hi) {
+  const int64_t m = 4 * groups;
+  __m512i total[B][2];  // per block, its rows' exact sums as int64 (rows 0-7, 8-15)
+  for (int b = 0; b < B; ++b) total[b][0] = total[b][1] = _mm512_setzero_si512();
+  for (int64_t start = 0; start < groups; start += kDigitGroups) {
+    const int64_t stop = std::min(groups, start + kDigitGroups);
+    __m512i a0[B], a1[B], a2[B];
+    for (int b = 0; b < B; ++b) a0[b] = a1[b] = a2[b] = _mm512_setzero_si512();
+    for (int64_t g = start; g < stop; ++g) {
+      int32_t g0, g1, g2;  // the group's four digits of each place
+      std::memcpy(&g0, digits + 4 * g, 4), std::memcpy(&g1, digits + m + 4 * g, 4);
+      std::memcpy(&g2, digits + 2 * m + 4 * g, 4);
+      const __m512i d0 = _mm512_set1_epi32(g0), d1 = _mm512_set1_epi32(g1), d2 = _mm512_set1_epi32(g2);
+      const __mmask64 negative = signs[g];
+      const int8_t* at = tile + g * B * 64;
+      for (int b = 0; b < B; ++b) {
+        const __m512i raw = _mm512_loadu_si512(at + b * 64);
+        const __m512i w = _mm512_mask_sub_epi8(raw, negative, _mm512_setzero_si512(), raw);
+        a0[b] = _mm512_dpbusd_epi32(a0[b], d0, w);
+        a1[b] = _mm512_dpbusd_epi32(a1[b], d1, w);
+        a2[b] = _mm512_dpbusd_epi32(a2[b], d2, w);
       }
     }
-    for (int r = 0; r < R; ++r) lanes[r] = _mm512_add_ps(lanes[r], digit_lanes(a0[r], a1[r], a2[r]));
+    for (int b = 0; b < B; ++b) {
+      for (int part = 0; part < 2; ++part) {
+        const __m512i sum = _mm512_add_epi64(wide_half(a0[b], part),
+                                             _mm512_add_epi64(_mm512_slli_epi64(wide_half(a1[b], part), 8),
+                                                              _mm512_slli_epi64(wide_half(a2[b], part), 16)));
+        total[b][part] = _mm512_add_epi64(total[b][part], sum);
+      }
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    const auto below = [](int64_t k) { return k <= 0 ? 0u : k >= 16 ? 0xFFFFu : (1u << k) - 1; };
+    const __mmask16 lanes = __mmask16(below(hi - 16 * b) & ~below(lo - 16 * b));
+    if (lanes == 0) continue;
+    const __m512 sums = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtepi64_ps(total[b][0])),
+                                           _mm512_cvtepi64_ps(total[b][1]), 1);
+    __m512 v = _mm512_mul_ps(sums, _mm512_set1_ps(unit));
+    if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(lanes, scale + 16 * b));
+    _mm512_mask_storeu_ps(y + 16 * b, lanes, v);
   }
 }
 
-// y[r] = (w[r·n ..] · x)·unit·scale[r] for the int8 rows r in [begin, end) (no -128; scale null:
-// none), x as byte_digits' digits and unit: four rows at a time, their lanes summed together.
-PORTABLE_SSM_TARGET_VNNI inline void digit_products(const int8_t* w, const uint8_t* digits, float unit,
-                                                    const float* scale, float* y, int64_t n, int64_t begin,
-                                                    int64_t end) {
-  int64_t r = begin;
-  for (; r + 4 <= end; r += 4) {
-    __m512 lanes[4];
-    digit_lanes_rows<4>(w + r * n, digits, n, lanes);
-    __m256 half[4];
-    for (int k = 0; k < 4; ++k) half[k] = _mm256_add_ps(_mm512_castps512_ps256(lanes[k]), _mm512_extractf32x8_ps(lanes[k], 1));
-    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
-    __m128 sums = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)), _mm_set1_ps(unit));
-    if (scale != nullptr) sums = _mm_mul_ps(sums, _mm_loadu_ps(scale + r));
-    _mm_storeu_ps(y + r, sums);
-  }
-  for (; r < end; ++r) {  // one row: its lanes summed in the order of the four rows' sums above
-    __m512 lanes[1];
-    digit_lanes_rows<1>(w + r * n, digits, n, lanes);
-    float h[8];
-    _mm256_storeu_ps(h, _mm256_add_ps(_mm512_castps512_ps256(lanes[0]), _mm512_extractf32x8_ps(lanes[0], 1)));
-    const float sum = ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));
-    y[r] = scale == nullptr ? sum * unit : sum * unit * scale[r];
+// y[r] = (w[r] · x)·unit·scale[r] for the rows r in [begin, end) of a kind-3 weight [out, n] (no
+// -128; tiles: its VNNI tiles; scale null: none), x as byte_digits' digits, signs and unit: each
+// row's output the same float whichever rows share the call.
+PORTABLE_SSM_TARGET_VNNI inline void digit_products(const int8_t* tiles, const uint8_t* digits, const uint64_t* signs,
+                                                    float unit, const float* scale, float* y, int64_t out, int64_t n,
+                                                    int64_t begin, int64_t end) {
+  const int64_t groups = vnni_groups(n);
+  for (int64_t first = begin / 64 * 64; first < end; first += 64) {
+    const int8_t* tile = tiles + first * 4 * groups;
+    const float* s = scale == nullptr ? nullptr : scale + first;
+    const int64_t lo = std::max(begin, first) - first, hi = std::min(end, first + 64) - first;
+    switch ((std::min(out - first, int64_t{64}) + 15) / 16) {  // the tile's blocks
+      case 4: tile_digit_products<4>(tile, digits, signs, groups, unit, s, y + first, lo, hi); break;
+      case 3: tile_digit_products<3>(tile, digits, signs, groups, unit, s, y + first, lo, hi); break;
+      case 2: tile_digit_products<2>(tile, digits, signs, groups, unit, s, y + first, lo, hi); break;
+      default: tile_digit_products<1>(tile, digits, signs, groups, unit, s, y + first, lo, hi); break;
+    }
   }
 }
 
 #else
 inline bool vnni_usable() { return false; }
-inline bool byte_digits(const float*, int64_t, uint8_t*, float*) { return false; }
-inline void digit_products(const int8_t*, const uint8_t*, float, const float*, float*, int64_t, int64_t, int64_t) {}
+inline bool byte_digits(const float*, int64_t, uint8_t*, uint64_t*, float*) { return false; }
+inline void digit_products(const int8_t*, const uint8_t*, const uint64_t*, float, const float*, float*, int64_t,
+                           int64_t, int64_t, int64_t) {}
 #endif
 
-// A row x [n]'s byte digits and unit for digit_products, made once for all the row ranges of one
-// product (unit 0: x takes row_products: no VNNI here, or x not finite or all below 2^-100).
+// A row x [n]'s byte digits, signs and unit for digit_products, made once for all the row ranges of
+// one product (unit 0: x takes row_products: no VNNI here, or x not finite or all below 2^-100).
 struct ByteRow {
-  std::vector<uint8_t> bytes;
+  std::vector<uint8_t> digits;
+  std::vector<uint64_t> signs;
   float unit = 0.f;
 
   void make(const float* x, int64_t n) {
     unit = 0.f;
     if (!vnni_usable()) return;
-    bytes.resize(static_cast<size_t>(digit_bytes(n)));
-    if (!byte_digits(x, n, bytes.data(), &unit)) unit = 0.f;
+    digits.resize(static_cast<size_t>(12 * vnni_groups(n)));
+    signs.resize(static_cast<size_t>(vnni_groups(n)));
+    if (!byte_digits(x, n, digits.data(), signs.data(), &unit)) unit = 0.f;
   }
 };
 
-// row_products of the int8 rows [begin, end) of w [rows, n] holding no -128, through digit_products
-// where x's digits were made (digits.unit > 0).
+// row_products of the rows [begin, end) of a kind-3 weight w [out, n] (int8 holding no -128, its
+// VNNI tiles after it), through digit_products where x's digits were made (digits.unit > 0).
 inline void int8_products(const int8_t* w, const float* x, const ByteRow& digits, const float* scale, float* y,
-                          int64_t n, int64_t begin, int64_t end) {
+                          int64_t out, int64_t n, int64_t begin, int64_t end) {
   if (digits.unit > 0.f) {
-    digit_products(w, digits.bytes.data(), digits.unit, scale, y, n, begin, end);
+    digit_products(w + vnni_tiles_at(out, n), digits.digits.data(), digits.signs.data(), digits.unit, scale, y, out,
+                   n, begin, end);
   } else {
     row_products(w, x, scale, y, n, begin, end);
   }

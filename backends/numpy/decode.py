@@ -36,7 +36,8 @@ from .threads import workers
 WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.uint16): 2}
 #: The kind of int8 data holding no -128 (every int8 weight :func:`portable_ssm.quantize` makes),
 #: which a market stream's step takes through AVX-512 VNNI where the CPU has it (``digit_products``
-#: of shared.h); :func:`plan` gives it with ``int8_digits=True``.
+#: of shared.h): the rows, then :func:`vnni_tiles` (:func:`symmetric_int8`); :func:`plan` gives it
+#: with ``int8_digits=True``.
 INT8_SYMMETRIC = 3
 #: Entries of the tables before the layers' and per layer.
 _HEAD_SIZES, _LAYER_SIZES, _HEAD_POINTERS, _LAYER_POINTERS = 6, 8, 5, 15
@@ -79,7 +80,7 @@ def _weight(w: Any, name: str, shape: tuple[int, ...], int8_digits: bool = False
         np.ndarray, int, np.ndarray | None]:
     """``(data, kind, scale or None)`` of a float32, int8 or bfloat16-bits weight ``shape`` (``[out,
     in]``, or a stack ``[E, out, in]`` of experts' with a scale per row of each: ``[E, out]``);
-    ``int8_digits``: int8 data holding no -128 gets :data:`INT8_SYMMETRIC` (one pass over it)."""
+    ``int8_digits``: int8 data holding no -128 gets :data:`INT8_SYMMETRIC` (:func:`symmetric_int8`)."""
     data, scale = (w.data, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
     kind = WEIGHT_KINDS.get(getattr(data, "dtype", None))
     if kind is None or not _fits(data) or data.shape != shape:
@@ -89,8 +90,29 @@ def _weight(w: Any, name: str, shape: tuple[int, ...], int8_digits: bool = False
     if scale is not None:
         _float32(scale, f"{name}'s scale", shape[:-1])
     if int8_digits and kind == WEIGHT_KINDS[np.dtype(np.int8)] and data.size and data.min() > -128:
-        kind = INT8_SYMMETRIC
+        return symmetric_int8(data), INT8_SYMMETRIC, scale
     return data, kind, scale
+
+
+def vnni_tiles(w: np.ndarray) -> np.ndarray:
+    """int8 ``w [out, n]`` in the order the VNNI products read it (shared.h): for each 64 rows, a tile
+    of ``B`` blocks of 16 rows as ``[groups of 4 columns][B][16][4]``, zero past ``n`` and ``out``."""
+    out, n = w.shape
+    blocks, groups = -(-out // 16), -(-n // 4)
+    padded = np.zeros((blocks * 16, groups * 4), np.int8)
+    padded[:out, :n] = w
+    rows = padded.reshape(blocks, 16, groups, 4)  # [block, row, group, byte]
+    whole = blocks // 4 * 4
+    full = rows[:whole].reshape(whole // 4, 4, 16, groups, 4).transpose(0, 3, 1, 2, 4)  # [tile, group, block, row, 4]
+    last = rows[whole:].transpose(2, 0, 1, 3)  # [group, block, row, 4]: the last tile, of fewer blocks
+    return np.concatenate([full.reshape(-1), last.reshape(-1)])
+
+
+def symmetric_int8(w: np.ndarray) -> np.ndarray:
+    """A kind :data:`INT8_SYMMETRIC` weight's bytes from int8 ``w [out, n]`` holding no -128: its rows,
+    zeros to a multiple of 64 bytes (``vnni_tiles_at`` of shared.h), then :func:`vnni_tiles`."""
+    rows = w.reshape(-1)
+    return np.concatenate([rows, np.zeros(-rows.size % 64, np.int8), vnni_tiles(w)])
 
 
 def _address(a: np.ndarray | None) -> int:
@@ -168,12 +190,14 @@ def plan(params: dict[str, Any], config: Mamba2Config, *, int8_digits: bool = Fa
         sizes += layer_sizes
         convs.append(conv)
         ssms.append(ssm)
-    norm_f, head, head_kind, head_scale = head_row(params, lm.head_weight(params, c), d, int8_digits)
+    head_weight = lm.head_weight(params, c)
+    norm_f, head, head_kind, head_scale = head_row(params, head_weight, d, int8_digits)
     arrays += [a for a in (norm_f, head, head_scale) if a is not None]
-    return Plan(np.array([c.n_layer, d, g, p, head.shape[0], head_kind, *sizes], dtype=np.int64),
+    vocab = head_weight.shape[0]
+    return Plan(np.array([c.n_layer, d, g, p, vocab, head_kind, *sizes], dtype=np.int64),
                 np.array([0, norm_f.ctypes.data, head.ctypes.data, _address(head_scale), 0, *pointers],
                          dtype=np.uintp),
-                tuple(convs), tuple(ssms), d, head.shape[0], float(c.norm_eps), tuple(map(float, c.dt_limit)),
+                tuple(convs), tuple(ssms), d, vocab, float(c.norm_eps), tuple(map(float, c.dt_limit)),
                 tuple(arrays), sum(a.nbytes for a in arrays))
 
 

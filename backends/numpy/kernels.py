@@ -84,7 +84,7 @@ _SIGNATURES = {
     "portable_ssm_silu_gate": [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, _INT],
     "portable_ssm_masked_softmax": [_POINTER, _INT, _INT, ctypes.c_float, _POINTER, _INT, _INT, _INT, _POINTER],
     "portable_ssm_scan_forward": [_POINTER, _POINTER, ctypes.c_double, _INT, _INT],
-    "portable_ssm_row_product": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT],
+    "portable_ssm_row_product": [_POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT, _INT, _INT],
     "portable_ssm_decode_model": [_POINTER, _POINTER, ctypes.c_double, ctypes.c_double, ctypes.c_double, _INT],
     "portable_ssm_decode_rows": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, ctypes.c_double, ctypes.c_double,
                                  ctypes.c_double, _POINTER, _POINTER],
@@ -350,7 +350,7 @@ def row_product(row: np.ndarray, weight: np.ndarray, scale: np.ndarray | None) -
     y = np.zeros((1, out), dtype=np.float32)
     if y.size and n:
         lib.portable_ssm_row_product(weight.ctypes.data, kind, x.ctypes.data,
-                                     None if scale is None else scale.ctypes.data, y.ctypes.data, n, 0, out)
+                                     None if scale is None else scale.ctypes.data, y.ctypes.data, out, n, 0, out)
     return y
 
 
