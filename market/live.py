@@ -45,6 +45,8 @@ from .features import Normaliser, feature_rows, model_inputs
 from .numpy_step import NumpyStep
 
 HEAD_NAMES = ("inp.weight", "inp.bias", "head.weight", "head.bias")
+_FIELDS = ("open", "high", "low", "close", "volume")  # update()'s bar fields
+_INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(np.float64)
 
 
 def _linear(x: Any, weight: Any, bias: Any) -> Any:
@@ -89,8 +91,9 @@ class MarketStream:
                                                               device(like), like.dtype)
         self._ids: list[int] = []
         self._row: dict[int, int] = {}
-        self._id_array = self._all_rows = np.zeros(0, np.int64)  # [N]: the ids in row order, and their rows
-        self._last: tuple[np.ndarray, np.ndarray] = (self._id_array, self._id_array)  # the last subset's ids, rows
+        self._all_rows = np.zeros(0, np.int64)  # [N]: every row in order
+        # (ids as int64 bytes, their rows): every instrument in row order, and the last update's ids
+        self._known: tuple[tuple[bytes, np.ndarray], ...] = ((b"", self._all_rows), (b"", self._all_rows))
         self._previous = np.zeros((2, 0))  # [2, N]: each row's last log close and log1p volume
         self._seen = np.zeros(0, bool)  # [N]: whether the row has had a bar
         self.state: Mamba2State | None = None  # batch N, rows in the order of ``instruments``
@@ -187,9 +190,8 @@ class MarketStream:
 
     def _rows_changed(self) -> None:
         """After a join or leave: the id-to-row answers kept by :meth:`_rows` are stale."""
-        self._id_array = np.array(self._ids, dtype=np.int64)
         self._all_rows = np.arange(len(self._ids))
-        self._last = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._known = ((np.array(self._ids, dtype=np.int64).tobytes(), self._all_rows), (b"", self._all_rows))
 
     def remove(self, instrument_id: int) -> None:
         """The instrument leaves: its row and state are dropped; the others keep theirs."""
@@ -212,11 +214,12 @@ class MarketStream:
     def _rows(self, instrument_ids: Any) -> np.ndarray:
         """The state rows of ``instrument_ids`` (checked); the last answer again, without a look-up
         per id, for the same ids as the last update or every instrument in row order."""
-        ids = np.asarray(instrument_ids)
-        if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1:
+        ids = instrument_ids if type(instrument_ids) is np.ndarray else np.asarray(instrument_ids)
+        if ids.dtype.kind not in "iu" or ids.ndim != 1:
             raise TypeError(f"instrument_ids: expected a 1-D integer array, got {ids.dtype} {ids.shape}")
-        for known, rows in ((self._id_array, self._all_rows), self._last):
-            if ids.shape == known.shape and np.array_equal(ids, known):
+        key = (ids if ids.dtype is _INT64 else ids.astype(np.int64)).tobytes()  # no id is negative: none wraps to one
+        for known, rows in self._known:
+            if key == known:
                 return rows
         unknown = [int(i) for i in ids if int(i) not in self._row]
         if unknown:
@@ -224,7 +227,7 @@ class MarketStream:
         rows = np.array([self._row[int(i)] for i in ids], dtype=np.int64)
         if np.unique(rows).size != rows.size:
             raise ValueError("instrument_ids: an instrument appears twice in one update")
-        self._last = (ids.astype(np.int64), rows)
+        self._known = (self._known[0], (key, rows))
         return rows
 
     def update(self, instrument_ids: Any, open: Any, high: Any, low: Any, close: Any, volume: Any) -> np.ndarray:
@@ -232,11 +235,11 @@ class MarketStream:
         float ``[k]`` each (NaN or a non-positive price: a missing bar); returns the predictions
         ``[k]`` float64 made at the bars' close (NaN for an instrument's first bar)."""
         rows = self._rows(instrument_ids)
-        fields = [check_float_array(n, v, ndim=1) for n, v in
-                  (("open", open), ("high", high), ("low", low), ("close", close), ("volume", volume))]
-        for name, value in zip(("open", "high", "low", "close", "volume"), fields):
-            if value.shape != rows.shape:
-                raise ValueError(f"{name}: expected shape [{rows.size}] like instrument_ids, got {value.shape}")
+        fields = (open, high, low, close, volume)
+        for value in fields:  # the usual bar: float64 arrays shaped like the ids, taken as they are
+            if type(value) is not np.ndarray or value.dtype is not _FLOAT64 or value.shape != rows.shape:
+                fields = self._checked_fields(rows, fields)
+                break
         if self._bar is not None:
             return self._whole_bar(rows, fields)
         features, log_close, log_volume = feature_rows(self._previous[0, rows], self._previous[1, rows], *fields)
@@ -249,6 +252,16 @@ class MarketStream:
         if stepping.any():
             out[stepping] = self._step(rows[stepping], model_inputs(features[stepping], self.normaliser))
         return out
+
+    @staticmethod
+    def _checked_fields(rows: np.ndarray, fields: tuple[Any, ...]) -> list[np.ndarray]:
+        """:meth:`update`'s five fields as float64 arrays shaped like ``rows``; TypeError or ValueError
+        naming the first that is not one."""
+        fields = [check_float_array(n, v, ndim=1) for n, v in zip(_FIELDS, fields)]
+        for name, value in zip(_FIELDS, fields):
+            if value.shape != rows.shape:
+                raise ValueError(f"{name}: expected shape [{rows.size}] like instrument_ids, got {value.shape}")
+        return fields
 
     def _step(self, rows: np.ndarray, x: np.ndarray) -> np.ndarray:
         """Model outputs ``[k]`` of inputs ``x [k, F]`` (float32) for state rows ``rows [k]``."""

@@ -179,6 +179,8 @@ BAD_UPDATES = [
     ("twice in one update", dict(ids=[1, 1]), ValueError, "appears twice"),
     ("bool ids", dict(ids=[True]), TypeError, "instrument_ids"),
     ("float ids", dict(ids=[1.0]), TypeError, "instrument_ids"),
+    ("2-D ids", dict(ids=[[1, 2]], n=2), TypeError, "instrument_ids"),
+    ("uint64 id past 2^63", dict(ids=[2**64 - 1]), ValueError, "not streaming"),
     ("ragged prices", dict(ids=[1, 2], n=3), ValueError, "open: expected shape \\[2\\]"),
     ("integer prices", dict(ids=[1], dtype=np.int64), TypeError, "open: expected a floating array"),
 ]
@@ -192,6 +194,22 @@ def test_bad_updates_are_refused_by_name_and_change_no_state(case, error, messag
     with pytest.raises(error, match=message):
         stream.update(ids, field, field, field, field, field)
     assert stream.instruments == (1, 2) and not stream._seen.any()
+
+
+def test_ids_and_fields_of_other_types_predict_as_int64_and_float64_arrays():
+    """int32 or list ids and float32 or list fields take the checked path and give the same
+    predictions, bit for bit, as the usual int64 and float64 arrays of the same values."""
+    model = _model()
+    bars = synthetic_bars("planted", 6, seed=1)
+    fields = [np.stack([getattr(bars, f), getattr(bars, f) * 1.01], axis=1).astype(np.float32)
+              for f in ("open", "high", "low", "close", "volume")]  # [6, 2]: float32 values, exact in float64
+    usual, other = model.stream([3, 7]), model.stream([3, 7])
+    for i in range(6):
+        a = usual.update(np.array([7, 3]), *(f[i].astype(np.float64) for f in fields))
+        b = other.update([7, 3] if i % 2 else np.array([7, 3], np.int32),
+                         *(f[i].tolist() if i % 2 else f[i] for f in fields))
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(a).all()
 
 
 def test_joining_twice_or_leaving_unknown_is_refused():

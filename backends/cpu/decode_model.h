@@ -12,6 +12,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -403,8 +405,9 @@ namespace {
 inline void tiled_products(const RowWeight& w, const float* x, int64_t b, float* y) {
   const int64_t tile = std::max<int64_t>(8, (int64_t{256} << 10) / (4 * w.in));  // x rows in 256 KiB
   const bool int8 = w.kind == kWeightI8Sym;
-  std::vector<ByteRow> digits(int8 ? static_cast<size_t>(b) : 0);
-  for (int64_t j = 0; j < static_cast<int64_t>(digits.size()); ++j) digits[j].make(x + j * w.in, w.in);
+  thread_local std::vector<ByteRow> digits;  // kept by the thread between calls, as decode_rows_run's scratch
+  if (int8 && static_cast<int64_t>(digits.size()) < b) digits.resize(static_cast<size_t>(b));
+  for (int64_t j = 0; int8 && j < b; ++j) digits[j].make(x + j * w.in, w.in);
   const int64_t block = int8 ? 64 : 8;  // weight rows a pass: 64 int8 rows fit L2 as 8 float32 ones do
   for (int64_t j0 = 0; j0 < b; j0 += tile) {
     const int64_t j1 = std::min(b, j0 + tile);
@@ -430,43 +433,52 @@ inline void decode_rows_run(const float* x0, int64_t b, int64_t d, const LayerVi
                             const RowWeight& lm_head, float* out, double eps, float lo, float hi, int64_t g,
                             int64_t p, bool stream, const Product& product) {
   const MambaWidths w = mamba_widths(views, layers, d, g, p);
-  std::vector<float> residual(x0, x0 + b * d), normed(b * d), zxbcdt(b * w.widest), gated(b * w.inner),
-      hidden(b * d), act(w.inner), y(w.inner), bc(w.bc), spare(w.window);
+  // The step's arrays, carved from scratch kept by the thread between calls: a bar of one row
+  // allocated and zeroed them in about a microsecond, a fiftieth of it.
+  thread_local std::vector<float> scratch;
+  const int64_t widths[] = {b * d, b * d, b * w.widest, b * w.inner, b * d, w.inner, w.inner, w.bc, w.window};
+  float* part[9];
+  scratch.resize(static_cast<size_t>(std::accumulate(std::begin(widths), std::end(widths), int64_t{0})));
+  int64_t at = 0;
+  for (int i = 0; i < 9; at += widths[i++]) part[i] = scratch.data() + at;
+  float *residual = part[0], *normed = part[1], *zxbcdt = part[2], *gated = part[3], *hidden = part[4], *act = part[5],
+        *y = part[6], *bc = part[7], *spare = part[8];
+  std::copy(x0, x0 + b * d, residual);
   for (int64_t i = 0; i < layers; ++i) {
     const LayerView& L = views[i];
     const int64_t d_inner = L.h * p, k = L.k, n = L.n, width = L.in.out;
     if (i > 0) {
       for (int64_t c = 0; c < b * d; ++c) residual[c] += hidden[c];
     }
-    norm_rows(residual.data(), d, nullptr, 0, L.norm, normed.data(), d, d, eps, 0, b);
-    product(L.in, normed.data(), b, zxbcdt.data());
+    norm_rows(residual, d, nullptr, 0, L.norm, normed, d, d, eps, 0, b);
+    product(L.in, normed, b, zxbcdt);
     for (int64_t j = 0; j < b; ++j) {
       float* conv = conv_rows[j * layers + i];
       float* H = ssm_rows[j * layers + i];
-      const float* row = zxbcdt.data() + j * width;  // [z (d_inner), x, B, C, dt (h)]
+      const float* row = zxbcdt + j * width;  // [z (d_inner), x, B, C, dt (h)]
       const float* xBC = row + d_inner;
       conv_step(conv + d_inner * k, xBC + d_inner, L.conv_w + d_inner * k,
-                L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, spare.data(), bc.data(), k, 2 * g * n);
-      conv_step(conv, xBC, L.conv_w, L.conv_b, conv, act.data(), k, d_inner);
-      std::copy(spare.data(), spare.data() + 2 * g * n * k, conv + d_inner * k);
+                L.conv_b == nullptr ? nullptr : L.conv_b + d_inner, spare, bc, k, 2 * g * n);
+      conv_step(conv, xBC, L.conv_w, L.conv_b, conv, act, k, d_inner);
+      std::copy(spare, spare + 2 * g * n * k, conv + d_inner * k);
       const bool streamed = stream && streams(H, n);
       for (int64_t hd = 0; hd < L.h; ++hd) {
         const int64_t group = hd / (L.h / g);
         head_step(row[d_inner + L.conv_dim + hd], L.dt_bias[hd], -std::exp(L.A_log[hd]), lo, hi,
-                  act.data() + hd * p, bc.data() + group * n, bc.data() + (g + group) * n, H + hd * p * n,
+                  act + hd * p, bc + group * n, bc + (g + group) * n, H + hd * p * n,
                   H + hd * p * n, streamed, L.d_per_channel ? L.D + hd * p : nullptr, L.D[hd], row + hd * p,
-                  y.data() + hd * p, p, n);
+                  y + hd * p, p, n);
       }
-      norm_rows(y.data(), d_inner, nullptr, 0, L.gate_norm, gated.data() + j * d_inner, d_inner, d_inner / g, eps, 0,
+      norm_rows(y, d_inner, nullptr, 0, L.gate_norm, gated + j * d_inner, d_inner, d_inner / g, eps, 0,
                 1);
     }
-    product(L.out, gated.data(), b, hidden.data());
+    product(L.out, gated, b, hidden);
   }
   if (layers > 0) {
     for (int64_t c = 0; c < b * d; ++c) residual[c] += hidden[c];
   }
-  norm_rows(residual.data(), d, nullptr, 0, final_norm, normed.data(), d, d, eps, 0, b);
-  product(lm_head, normed.data(), b, out);
+  norm_rows(residual, d, nullptr, 0, final_norm, normed, d, d, eps, 0, b);
+  product(lm_head, normed, b, out);
   _mm_sfence();  // the streamed rows are visible before the step returns
 }
 

@@ -258,18 +258,18 @@ void portable_ssm_decode_rows(const int64_t* sizes, void* const* pointers, float
 }
 
 // One bar of a market stream (portable_ssm.market.MarketStream.update) in one call, for the k rows
-// `rows` (distinct, in [0, N); null: rows 0..k-1) of N instruments. bar = {fields [5, k] float64
-// (open, high, low, close, volume), carry [2, N] float64 (each row's last log close and log1p
-// volume, updated), seen [N] bytes (whether the row has had a bar; set), mean [5], std [5] float64,
+// `rows` (distinct, in [0, n); null: rows 0..k-1) of n instruments. bar = {fields [5, k] float64
+// (open, high, low, close, volume), carry [2, n] float64 (each row's last log close and log1p
+// volume, updated), seen [n] bytes (whether the row has had a bar; set), mean [5], std [5] float64,
 // inp_t [5, d] and inp_b [d] float32 (the head's input map), head_bias [1] float32, conv_table and
-// ssm_table [N, layers] (each row's state addresses, portable_ssm_decode_rows's), x [k, d] and
-// logits [k, head_out] float32 scratch}. Each row's features (bar_features) normalised as
-// model_inputs does ((f - mean) / std, non-finite -> 0, then float32), mapped by the input map, and
-// the rows that had a bar before stepped together by portable_ssm_decode_rows; out [k] float64 =
-// their logit + head_bias, NaN for a row's first bar (its state untouched).
-void portable_ssm_market_bar(const int64_t* sizes, void* const* pointers, void* const* bar, const int64_t* rows,
-                             int64_t k, int64_t n, double eps, double low, double high, const int64_t* options,
-                             void* sgemm, double* out) {
+// ssm_table [n, layers] (each row's state addresses), x [k, d] and logits [k, head_out] float32
+// scratch, then portable_ssm_decode_rows's sizes, pointers, options and sgemm, and reals {eps, low,
+// high} float64}. Each row's features (bar_features) normalised as model_inputs does ((f - mean) /
+// std, non-finite -> 0, then float32), mapped by the input map, and the rows that had a bar before
+// stepped together by portable_ssm_decode_rows; out [k] float64 = their logit + head_bias, NaN for a
+// row's first bar (its state untouched).
+void portable_ssm_market_bar(void* const* bar, const int64_t* rows, int64_t k, int64_t n, double* out) {
+  const int64_t* sizes = static_cast<const int64_t*>(bar[12]);
   const int64_t layers = sizes[0], d = sizes[1], head_out = sizes[4];
   const double* fields = static_cast<const double*>(bar[0]);
   double* carry = static_cast<double*>(bar[1]);
@@ -281,6 +281,7 @@ void portable_ssm_market_bar(const int64_t* sizes, void* const* pointers, void* 
   float* const* ssm_table = static_cast<float* const*>(bar[9]);
   float* x = static_cast<float*>(bar[10]);
   float* logits = static_cast<float*>(bar[11]);
+  const double* reals = static_cast<const double*>(bar[16]);  // eps, low, high
   std::vector<float*> conv_rows, ssm_rows;
   std::vector<int64_t> stepped;  // the positions j in [0, k) of the rows that step, in order
   for (int64_t j = 0; j < k; ++j) {
@@ -308,7 +309,8 @@ void portable_ssm_market_bar(const int64_t* sizes, void* const* pointers, void* 
   }
   const int64_t b = static_cast<int64_t>(stepped.size());
   if (b == 0) return;
-  decode_rows_on(sizes, pointers, x, logits, conv_rows.data(), ssm_rows.data(), b, eps, low, high, options, sgemm);
+  decode_rows_on(sizes, static_cast<void* const*>(bar[13]), x, logits, conv_rows.data(), ssm_rows.data(), b, reals[0],
+                 reals[1], reals[2], static_cast<const int64_t*>(bar[14]), bar[15]);
   for (int64_t t = 0; t < b; ++t) out[stepped[t]] = static_cast<double>(logits[t * head_out] + head_bias);
 }
 

@@ -89,8 +89,7 @@ _SIGNATURES = {
     "portable_ssm_decode_rows": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, ctypes.c_double, ctypes.c_double,
                                  ctypes.c_double, _POINTER, _POINTER],
     "portable_ssm_decode_hybrid": [_POINTER, _POINTER, _POINTER, _INT],
-    "portable_ssm_market_bar": [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT, ctypes.c_double, ctypes.c_double,
-                                ctypes.c_double, _POINTER, _POINTER, _POINTER],
+    "portable_ssm_market_bar": [_POINTER, _POINTER, _INT, _INT, _POINTER],
     "portable_ssm_vnni_usable": [],
 }
 _RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double, "portable_ssm_vnni_usable": _INT}

@@ -127,14 +127,14 @@ class RowsStep:
         picked = None if rows is None else (self._tables[0][rows], self._tables[1][rows])  # alive through the call
         conv, ssm = self._every if picked is None else (picked[0].ctypes.data, picked[1].ctypes.data)
         self._pointers[0], self._pointers[4] = u_at, logits_at
-        self._invoke(self._call, k, (conv, ssm, k))
+        sizes, pointers, options = self._fixed
+        self._invoke(self._call, k, (sizes, pointers, conv, ssm, k, self.model.eps, *self.model.dt_limit, options,
+                                     self._sgemm))
         return logits.copy()
 
-    def _invoke(self, function: Any, k: int, middle: tuple[Any, ...], after: tuple[Any, ...] = ()) -> None:
-        """``function(sizes, pointers, *middle, eps, low, high, options, sgemm, *after)`` of the library
-        for a call of ``k`` rows, OpenBLAS held at one thread where they go to its sgemm."""
-        sizes, pointers, options = self._fixed
-        args = (sizes, pointers, *middle, self.model.eps, *self.model.dt_limit, options, self._sgemm, *after)
+    def _invoke(self, function: Any, k: int, args: tuple[Any, ...]) -> None:
+        """``function(*args)`` of the library for a call of ``k`` rows, OpenBLAS held at one thread where
+        they go to its sgemm."""
         if 0 < self._gemm_rows <= k:
             with one_blas_thread():
                 function(*args)
@@ -179,11 +179,16 @@ class MarketBar:
         self.step = step
         self.head = (mean, std, inp_weight, inp_bias, head_bias)  # as given: MarketBar(other_step, *bar.head)
         self._call = kernels.library().portable_ssm_market_bar
+        self._reals = np.array([step.model.eps, *step.model.dt_limit], dtype=np.float64)
         self._kept = kept
-        self._table = np.zeros(12, dtype=np.uintp)  # the bar's pointers: see portable_ssm_market_bar
+        self._table = np.zeros(17, dtype=np.uintp)  # the bar's pointers: see portable_ssm_market_bar
         self._table[3:8] = [a.ctypes.data for a in kept]
+        self._table[12:15] = step._fixed  # the step's sizes, pointers and options
+        self._table[15:17] = step._sgemm or 0, self._reals.ctypes.data
         self._table_at = self._table.ctypes.data
         self._n = 0
+        self._every: tuple[int, int] | None = None  # the step's state tables bound (their addresses)
+        self._scratch: tuple[Any, ...] | None = None  # the step's inputs(k) entry whose addresses the table holds
         self._fields: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # k -> fields [5, k], out [k], out's address
 
     def bind(self, carry: np.ndarray, seen: np.ndarray) -> None:
@@ -201,7 +206,7 @@ class MarketBar:
                              f"{getattr(seen, 'dtype', type(seen).__name__)} {getattr(seen, 'shape', '')}")
         self._bound = (carry, seen)
         self._table[1], self._table[2] = carry.ctypes.data, seen.ctypes.data
-        self._table[8], self._table[9] = self.step._every
+        self._table[8], self._table[9] = self._every = self.step._every
         self._n = n
 
     def fields(self, k: int) -> np.ndarray:
@@ -216,7 +221,7 @@ class MarketBar:
     def __call__(self, rows: np.ndarray | None, k: int) -> np.ndarray:
         """Predictions ``[k]`` (float64) of the bar in :meth:`fields` ``(k)`` for the rows ``rows [k]``
         (distinct int64 in ``[0, N)``, as the stream checked them; None: every row in order, k = N)."""
-        if self._table[8] != self.step._every[0] or self._n != self.step._batch:
+        if self._every is not self.step._every or self._n != self.step._batch:
             raise ValueError("MarketBar: the step's states changed since bind(); bind again")
         if k not in self._fields or (rows is None and k != self._n) or (rows is not None and not (
                 isinstance(rows, np.ndarray) and rows.dtype == np.int64 and rows.shape == (k,)
@@ -224,9 +229,11 @@ class MarketBar:
             raise ValueError(f"MarketBar: expected fields({k}) filled and {k} int64 rows in [0, {self._n}), got rows "
                              f"{getattr(rows, 'dtype', type(rows).__name__)} {getattr(rows, 'shape', '')}")
         _, out, out_at = self._fields[k]
-        self.step.inputs(k)
-        _, _, x_at, logits_at = self.step._buffers[k]
-        self._table[10], self._table[11] = x_at, logits_at
+        scratch = self.step._buffers.get(k)
+        if scratch is None or scratch is not self._scratch:  # the step's x and logits buffers for k rows
+            self.step.inputs(k)
+            self._scratch = scratch = self.step._buffers[k]
+            self._table[10], self._table[11] = scratch[2], scratch[3]
         rows_at = None if rows is None else rows.ctypes.data
-        self.step._invoke(self._call, k, (self._table_at, rows_at, k, self._n), (out_at,))
+        self.step._invoke(self._call, k, (self._table_at, rows_at, k, self._n, out_at))
         return out.copy()
