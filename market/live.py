@@ -159,7 +159,7 @@ class MarketStream:
         if host is None or any(getattr(a, "dtype", None) != np.float32 for a in host[len(names):]):
             return None  # another head dtype: the reference judges it, as the batch forward does
         try:
-            plan = decode.plan(dict(zip(names, host)), config, int8_digits=True)
+            plan = decode.plan(dict(zip(names, host)), config, tiles=True)
         except ValueError:
             return None
         inp_w, inp_b, _, head_b = host[len(names):]

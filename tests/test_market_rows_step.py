@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(kernels.library() is None, reason="NumPy's compi
 CONFIG = ps.Mamba2Config(d_model=32, n_layer=2, d_state=16, headdim=8, expand=4, tie_embeddings=False)
 
 
-def _plan_and_states(batch: int, seed: int = 0, kind: str = "float32", int8_digits: bool = False):
+def _plan_and_states(batch: int, seed: int = 0, kind: str = "float32", tiles: bool = False):
     params = ps.init_params(CONFIG, seed=seed, backend="numpy")
     rng = np.random.default_rng(seed)
     params = {**params, "lm_head.weight": rng.standard_normal((1, CONFIG.d_model)).astype(np.float32)}
@@ -25,7 +25,7 @@ def _plan_and_states(batch: int, seed: int = 0, kind: str = "float32", int8_digi
     like = ps.empty_state(CONFIG, batch, params["norm_f.weight"])
     conv = [rng.standard_normal(a.shape).astype(np.float32) for a in like.conv]
     ssm = [rng.standard_normal(a.shape).astype(np.float32) for a in like.ssm]
-    return decode.plan(params, CONFIG, int8_digits=int8_digits), conv, ssm
+    return decode.plan(params, CONFIG, tiles=tiles), conv, ssm
 
 
 def _copies(arrays):
@@ -110,12 +110,13 @@ def test_bad_states_inputs_and_rows_are_refused_by_name():
         RowsStep(dataclasses.asdict(plan))
 
 
-def test_int8_rows_through_vnni_equal_each_row_stepped_alone_bit_for_bit():
-    """A market plan's int8 weights (``int8_digits``: through VNNI where the CPU has it): a row's
-    logits and states do not depend on which rows step with it."""
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_a_market_plans_rows_through_tiles_equal_each_row_stepped_alone_bit_for_bit(kind):
+    """A market plan's weights (``tiles``: int8 through VNNI where the CPU has it): a row's logits and
+    states do not depend on which rows step with it."""
     from portable_ssm.backends.numpy.rows import RowsStep
 
-    plan, conv, ssm = _plan_and_states(9, kind="int8", int8_digits=True)
+    plan, conv, ssm = _plan_and_states(9, kind=kind, tiles=True)
     x = np.random.default_rng(3).standard_normal((9, CONFIG.d_model)).astype(np.float32)
     together, alone = RowsStep(plan, gemm_rows=0), RowsStep(plan, gemm_rows=0)
     conv_alone, ssm_alone = _copies(conv), _copies(ssm)

@@ -71,49 +71,57 @@ def test_numpy_whole_model_step_equals_the_array_api_step_for_every_weight_kind(
         assert new.shape == ref.shape and _rel(new, ref) < 2e-6
 
 
-def test_only_a_plan_for_vnni_marks_int8_weights_and_a_minus_128_keeps_the_widening_kernel(library):
-    """``int8_digits=True`` (a market stream's plan) marks int8 weights holding no -128, which the rows
-    step takes through VNNI (it negates weight bytes; -128 has no byte negation); a weight with a -128
-    stays plain int8 and the step still equals the widening kernel's within float32 rounding."""
+def test_only_a_market_plan_keeps_tiles_and_a_minus_128_keeps_the_widening_kernel(library):
+    """``tiles=True`` (a market stream's plan) keeps float32 weights, and int8 ones holding no -128,
+    in tile order, which the rows step reads (int8 through VNNI, which negates weight bytes: -128 has
+    no byte negation); a weight with a -128 stays plain int8; every plan's step equals the row
+    kernel's within float32 rounding."""
     from portable_ssm.backends.numpy.rows import RowsStep
 
     config, params, token, state = _model("int8")
     assert decode.plan(params, config).sizes[6 + 4:6 + 6].tolist() == [1, 1]  # layer 0's in_proj, out_proj
-    assert decode.plan(params, config, int8_digits=True).sizes[6 + 4:6 + 6].tolist() == [decode.INT8_SYMMETRIC] * 2
+    assert decode.plan(params, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [decode.INT8_SYMMETRIC] * 2
     name = "layers.0.mixer.in_proj.weight"
     data = params[name].data.copy()
     data[3, 5] = -128
     odd = {**params, name: replace(params[name], data=data)}
-    assert decode.plan(odd, config, int8_digits=True).sizes[6 + 4:6 + 6].tolist() == [1, decode.INT8_SYMMETRIC]
+    assert decode.plan(odd, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [1, decode.INT8_SYMMETRIC]
+    floats = _model("float32")[1]
+    assert decode.plan(floats, config).sizes[6 + 4:6 + 6].tolist() == [0, 0]
+    assert decode.plan(floats, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [decode.FLOAT32_TILES] * 2
     x = ps.lm.embed(token, params, xp=backend.xp)  # [1, d_model]
-    for p in (params, odd):
+    for p in (params, odd, floats):
         got, want = [], []
-        for marked, out in ((True, got), (False, want)):
-            step = RowsStep(decode.plan(p, config, int8_digits=marked), gemm_rows=0)
+        for tiled, out in ((True, got), (False, want)):
+            step = RowsStep(decode.plan(p, config, tiles=tiled), gemm_rows=0)
             step.bind([a.copy() for a in state.conv], [a.copy() for a in state.ssm])  # stepped in place
             out.append(step(x))
         assert _rel(got[0], want[0]) < 2e-6
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.float32])
 @pytest.mark.parametrize(("out", "n"), [(1, 1), (37, 9), (64, 8), (130, 5)])
-def test_a_symmetric_int8_weight_holds_its_rows_then_its_vnni_tiles_in_the_documented_order(out, n):
-    """Kind 3's bytes (shared.h): the rows, zeros to 64 bytes, then per 64 rows a tile of B blocks of
-    16 rows as [groups of 4 columns][B][16][4]; every weight at its place, zeros elsewhere."""
+def test_a_tiled_weight_holds_its_rows_then_its_tiles_in_the_documented_order(out, n, dtype):
+    """A market plan's weight data (shared.h): the rows, zeros to 64 bytes, then per 64 rows a tile
+    of B blocks of 16 rows as [groups][B][16][g] (g = 4 int8 or 1 float32 columns); every weight at
+    its place, zeros elsewhere."""
     rng = np.random.default_rng(out + n)
-    w = rng.integers(-127, 128, (out, n), dtype=np.int8)
-    data = decode.symmetric_int8(w)
-    at = -(-out * n // 64) * 64  # vnni_tiles_at
-    groups = -(-n // 4)
-    assert data.dtype == np.int8 and data.size == at + -(-out // 16) * 16 * groups * 4
+    w = rng.integers(-127, 128, (out, n)).astype(dtype)
+    data = decode.with_tiles(w)
+    size = np.dtype(dtype).itemsize
+    at = -(-out * n * size // 64) * 64 // size  # tiles_at, in elements
+    g = 4 if dtype == np.int8 else 1
+    groups = -(-n // g)
+    assert data.dtype == dtype and data.size == at + -(-out // 16) * 16 * groups * g
     np.testing.assert_array_equal(data[:out * n], w.reshape(-1))
     assert not data[out * n:at].any()
-    expected = np.zeros(data.size - at, np.int8)
+    expected = np.zeros(data.size - at, dtype)
     for r in range(out):
         first = r // 64 * 64
         blocks = min(4, -(-(out - first) // 16))
         for c in range(n):
-            g, j, b, i = c // 4, c % 4, (r - first) // 16, r % 16
-            expected[first * groups * 4 + ((g * blocks + b) * 16 + i) * 4 + j] = w[r, c]
+            group, j, b, i = c // g, c % g, (r - first) // 16, r % 16
+            expected[first * groups * g + ((group * blocks + b) * 16 + i) * g + j] = w[r, c]
     np.testing.assert_array_equal(data[at:], expected)
 
 

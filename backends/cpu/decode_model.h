@@ -21,10 +21,10 @@
 
 namespace {
 
-// A weight's storage as the row kernel reads it: kWeightI8Sym is int8 known to hold no -128 (the
-// caller checked), its VNNI tiles after its rows (shared.h), which int8_products may take through
-// VNNI; only whole weights have this kind (rows_of does not split it).
-enum WeightKind : int64_t { kWeightF32 = 0, kWeightI8 = 1, kWeightBF16 = 2, kWeightI8Sym = 3 };
+// A weight's storage as the row kernel reads it. A market plan's (shared.h's tiles after the rows;
+// only whole weights, which rows_of does not split): kWeightI8Sym, int8 known to hold no -128 (the
+// caller checked), which int8_products may take through VNNI, and kWeightF32Tiles, float32.
+enum WeightKind : int64_t { kWeightF32 = 0, kWeightI8 = 1, kWeightBF16 = 2, kWeightI8Sym = 3, kWeightF32Tiles = 4 };
 
 // A weight [out, in] as the row kernel reads it: float32, int8 (times a float32 scale per row, or
 // none) or bfloat16 bits, contiguous.
@@ -37,13 +37,18 @@ struct RowWeight {
 
 // y[r] = (w[r] · x)·scale[r] for the rows r in [begin, end) of w; digits: x's (ByteRow), made once
 // per product by a caller that takes kWeightI8Sym rows through VNNI (null: row_products). Only a
-// market stream's step does (tiled_products): its weights are read from the caches, where the
-// widening kernel is compute-bound; a language model's decode streams its weights from memory, where
-// the widening kernel keeps up with the read (the digits' products measured 6% slower there).
+// market stream's step does (tiled_products) and only its plan has tiles: its weights are read from
+// the caches, where the row kernel's sums across lanes and the widening are the cost; a language
+// model's decode streams its weights from memory, where the row kernel keeps up with the read (the
+// digits' products measured 6% slower there).
 inline void row_share(const RowWeight& w, const float* x, float* y, int64_t begin, int64_t end,
                       const ByteRow* digits = nullptr) {
   switch (w.kind) {
     case kWeightF32: row_products(static_cast<const float*>(w.data), x, w.scale, y, w.in, begin, end); break;
+    case kWeightF32Tiles:
+      float_tile_products(static_cast<const float*>(w.data) + tiles_at(w.out, w.in, 4) / 4, x, w.scale, y, w.out,
+                          w.in, begin, end);
+      break;
     case kWeightI8Sym:
       if (digits != nullptr) {
         int8_products(static_cast<const int8_t*>(w.data), x, *digits, w.scale, y, w.out, w.in, begin, end);
@@ -404,11 +409,11 @@ namespace {
 // int8 rows with no -128 through VNNI: each x row's byte digits made once, not once per block of rows.
 inline void tiled_products(const RowWeight& w, const float* x, int64_t b, float* y) {
   const int64_t tile = std::max<int64_t>(8, (int64_t{256} << 10) / (4 * w.in));  // x rows in 256 KiB
-  const bool int8 = w.kind == kWeightI8Sym;
+  const bool int8 = w.kind == kWeightI8Sym, tiles = int8 || w.kind == kWeightF32Tiles;
   thread_local std::vector<ByteRow> digits;  // kept by the thread between calls, as decode_rows_run's scratch
   if (int8 && static_cast<int64_t>(digits.size()) < b) digits.resize(static_cast<size_t>(b));
   for (int64_t j = 0; int8 && j < b; ++j) digits[j].make(x + j * w.in, w.in);
-  const int64_t block = int8 ? 64 : 8;  // weight rows a pass: 64 int8 rows fit L2 as 8 float32 ones do
+  const int64_t block = tiles ? 64 : 8;  // weight rows a pass: a tile, or 8 rows of the row kernel
   for (int64_t j0 = 0; j0 < b; j0 += tile) {
     const int64_t j1 = std::min(b, j0 + tile);
     for (int64_t r0 = 0; r0 < w.out; r0 += block) {

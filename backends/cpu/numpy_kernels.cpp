@@ -79,7 +79,7 @@ void decode_rows_on(const int64_t* sizes, void* const* pointers, const float* x,
   const bool gemm_here = sgemm != nullptr && options[1] > 0 && b >= options[1];
   const BlasGemm gemm{sgemm, options[2] != 0};
   const auto product = [&](const RowWeight& w, const float* in, int64_t rows, float* y) {
-    if (gemm_here && w.kind == kWeightF32 && w.scale == nullptr) {
+    if (gemm_here && (w.kind == kWeightF32 || w.kind == kWeightF32Tiles) && w.scale == nullptr) {  // their rows
       gemm(1, false, true, rows, w.out, w.in, in, w.in, 0, static_cast<const float*>(w.data), w.in, 0, 0.f, y, w.out,
            0);  // y [rows, out] = in [rows, w.in] · wᵀ
     } else {
@@ -190,20 +190,15 @@ void portable_ssm_masked_softmax(float* s, int64_t rows, int64_t cols, float sca
   }
 }
 
-// Rows [begin, end) of y [rows] = (w [rows, n] @ x [n]) · scale [rows] (scale null: none), w's kind
-// 1: int8, 2: bfloat16 bits (uint16), 3: int8 with no -128, its VNNI tiles after it (int8_products:
-// VNNI where usable), all contiguous.
+// Rows [begin, end) of y [rows] = (w [rows, n] @ x [n]) · scale [rows] (scale null: none) by the
+// step's row kernel (row_share), w's kind a WeightKind: 0 float32, 1 int8, 2 bfloat16 bits
+// (uint16), 3 int8 with no -128 (through VNNI where usable) and 4 float32, each of the last two
+// its rows then its tiles (a market plan's); all contiguous.
 void portable_ssm_row_product(const void* w, int64_t kind, const float* x, const float* scale, float* y, int64_t rows,
                               int64_t n, int64_t begin, int64_t end) {
-  if (kind == 1) {
-    row_products(static_cast<const int8_t*>(w), x, scale, y, n, begin, end);
-  } else if (kind == 3) {
-    ByteRow digits;
-    digits.make(x, n);
-    int8_products(static_cast<const int8_t*>(w), x, digits, scale, y, rows, n, begin, end);
-  } else {
-    row_products(static_cast<const uint16_t*>(w), x, scale, y, n, begin, end);
-  }
+  ByteRow digits;
+  if (kind == kWeightI8Sym) digits.make(x, n);
+  row_share({w, kind, scale, rows, n}, x, y, begin, end, kind == kWeightI8Sym ? &digits : nullptr);
 }
 
 // 1 where this build's int8 products with no -128 go through AVX-512 VNNI (compiled in and the CPU

@@ -146,13 +146,60 @@ inline void row_products(const T* w, const float* x, const float* scale, float* 
   }
 }
 
-// A kind-3 weight (int8 [out, n] with no -128) is its rows, then from byte vnni_tiles_at(out, n) the
-// same weights in VNNI's order: for each 64 rows (a tile of up to four blocks of 16 rows),
-// [groups of 4 columns][blocks][16 rows][4 bytes], zero past n and past out (vnni_tiles of
-// backends/numpy/decode.py makes them). One x element's 4-byte group then multiplies 16 rows in
-// one instruction, each lane summing one row, with no sum across lanes.
+// A market plan's weights (kinds 3 and 4 of decode_model.h) are their rows, then from byte
+// tiles_at(out, n, element bytes) the same weights in tile order: for each 64 rows (a tile of up
+// to four blocks of 16 rows), [groups][blocks][16 rows][group], a group being 4 int8 columns (one
+// VNNI lane's bytes) or 1 float32 column, zero past n and past out (row_tiles of
+// backends/numpy/decode.py makes them). One group of x then multiplies 16 rows at once, each lane
+// summing one row, with no sums across lanes.
+inline int64_t tiles_at(int64_t out, int64_t n, int64_t bytes) { return (out * n * bytes + 63) / 64 * 64; }
 inline int64_t vnni_groups(int64_t n) { return (n + 3) / 4; }
-inline int64_t vnni_tiles_at(int64_t out, int64_t n) { return (out * n + 63) / 64 * 64; }
+
+// tile(blocks, first, lo, hi) for each tile of a tiled weight [out, n] holding rows of [begin, end):
+// its first row, the range [lo, hi) of its rows to write (from its first row) and its blocks of 16
+// rows as std::integral_constant<int, 1..4>.
+template <typename Tile>
+inline void each_tile(int64_t out, int64_t begin, int64_t end, const Tile& tile) {
+  for (int64_t first = begin / 64 * 64; first < end; first += 64) {
+    const int64_t lo = std::max(begin, first) - first, hi = std::min(end, first + 64) - first;
+    switch ((std::min(out - first, int64_t{64}) + 15) / 16) {
+      case 4: tile(std::integral_constant<int, 4>{}, first, lo, hi); break;
+      case 3: tile(std::integral_constant<int, 3>{}, first, lo, hi); break;
+      case 2: tile(std::integral_constant<int, 2>{}, first, lo, hi); break;
+      default: tile(std::integral_constant<int, 1>{}, first, lo, hi); break;
+    }
+  }
+}
+
+// y[r] = (w[r] · x)·scale[r] for the rows r in [lo, hi) of one float32 tile of B blocks (tile: its
+// floats; y and scale from its first row; scale null: none): each row's terms summed in x's order,
+// one FMA a term.
+template <int B>
+inline void float_tile(const float* tile, const float* x, int64_t n, const float* scale, float* y, int64_t lo,
+                       int64_t hi) {
+  __m256 acc[2 * B];
+  for (int b = 0; b < 2 * B; ++b) acc[b] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < n; ++c) {
+    const __m256 xc = _mm256_set1_ps(x[c]);
+    const float* at = tile + c * 16 * B;
+    for (int b = 0; b < 2 * B; ++b) acc[b] = _mm256_fmadd_ps(xc, _mm256_loadu_ps(at + 8 * b), acc[b]);
+  }
+  alignas(32) float sums[64];
+  for (int b = 0; b < 2 * B; ++b) _mm256_store_ps(sums + 8 * b, acc[b]);
+  for (int64_t r = lo; r < hi; ++r) y[r] = scale == nullptr ? sums[r] : sums[r] * scale[r];
+}
+
+// y[r] = (w[r] · x)·scale[r] for the rows r in [begin, end) of a float32 weight [out, n] (tiles: its
+// tiles; scale null: none), each row's output the same float whichever rows share the call. A
+// market step's weights stay in the caches between bars; the tiles read them at the cache's rate,
+// where row_products' sums across lanes held a one-row step to about half of it.
+inline void float_tile_products(const float* tiles, const float* x, const float* scale, float* y, int64_t out,
+                                int64_t n, int64_t begin, int64_t end) {
+  each_tile(out, begin, end, [&](auto blocks, int64_t first, int64_t lo, int64_t hi) {
+    float_tile<decltype(blocks)::value>(tiles + first * n, x, n, scale == nullptr ? nullptr : scale + first,
+                                        y + first, lo, hi);
+  });
+}
 
 #if defined(PORTABLE_SSM_VNNI)
 // int8 weights times a float32 row through AVX-512 VNNI (vpdpbusd: unsigned bytes times signed
@@ -266,23 +313,15 @@ PORTABLE_SSM_TARGET_VNNI inline void tile_digit_products(const int8_t* tile, con
 }
 
 // y[r] = (w[r] · x)·unit·scale[r] for the rows r in [begin, end) of a kind-3 weight [out, n] (no
-// -128; tiles: its VNNI tiles; scale null: none), x as byte_digits' digits, signs and unit: each
-// row's output the same float whichever rows share the call.
-PORTABLE_SSM_TARGET_VNNI inline void digit_products(const int8_t* tiles, const uint8_t* digits, const uint64_t* signs,
-                                                    float unit, const float* scale, float* y, int64_t out, int64_t n,
-                                                    int64_t begin, int64_t end) {
+// -128; tiles: its tiles; scale null: none), x as byte_digits' digits, signs and unit: each row's
+// output the same float whichever rows share the call.
+inline void digit_products(const int8_t* tiles, const uint8_t* digits, const uint64_t* signs, float unit,
+                           const float* scale, float* y, int64_t out, int64_t n, int64_t begin, int64_t end) {
   const int64_t groups = vnni_groups(n);
-  for (int64_t first = begin / 64 * 64; first < end; first += 64) {
-    const int8_t* tile = tiles + first * 4 * groups;
-    const float* s = scale == nullptr ? nullptr : scale + first;
-    const int64_t lo = std::max(begin, first) - first, hi = std::min(end, first + 64) - first;
-    switch ((std::min(out - first, int64_t{64}) + 15) / 16) {  // the tile's blocks
-      case 4: tile_digit_products<4>(tile, digits, signs, groups, unit, s, y + first, lo, hi); break;
-      case 3: tile_digit_products<3>(tile, digits, signs, groups, unit, s, y + first, lo, hi); break;
-      case 2: tile_digit_products<2>(tile, digits, signs, groups, unit, s, y + first, lo, hi); break;
-      default: tile_digit_products<1>(tile, digits, signs, groups, unit, s, y + first, lo, hi); break;
-    }
-  }
+  each_tile(out, begin, end, [&](auto blocks, int64_t first, int64_t lo, int64_t hi) {
+    tile_digit_products<decltype(blocks)::value>(tiles + first * 4 * groups, digits, signs, groups, unit,
+                                                 scale == nullptr ? nullptr : scale + first, y + first, lo, hi);
+  });
 }
 
 #else
@@ -313,8 +352,8 @@ struct ByteRow {
 inline void int8_products(const int8_t* w, const float* x, const ByteRow& digits, const float* scale, float* y,
                           int64_t out, int64_t n, int64_t begin, int64_t end) {
   if (digits.unit > 0.f) {
-    digit_products(w + vnni_tiles_at(out, n), digits.digits.data(), digits.signs.data(), digits.unit, scale, y, out,
-                   n, begin, end);
+    digit_products(w + tiles_at(out, n, 1), digits.digits.data(), digits.signs.data(), digits.unit, scale, y, out, n,
+                   begin, end);
   } else {
     row_products(w, x, scale, y, n, begin, end);
   }

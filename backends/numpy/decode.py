@@ -34,11 +34,12 @@ from .threads import workers
 
 #: The weight storage the library reads, by its kind number (``WeightKind`` of decode_model.h).
 WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.uint16): 2}
-#: The kind of int8 data holding no -128 (every int8 weight :func:`portable_ssm.quantize` makes),
-#: which a market stream's step takes through AVX-512 VNNI where the CPU has it (``digit_products``
-#: of shared.h): the rows, then :func:`vnni_tiles` (:func:`symmetric_int8`); :func:`plan` gives it
-#: with ``int8_digits=True``.
-INT8_SYMMETRIC = 3
+#: The kinds of a market stream's plan (:func:`plan` with ``tiles=True``): the rows, then the same
+#: weights in tile order (:func:`with_tiles`), which its step's products read. INT8_SYMMETRIC: int8
+#: holding no -128 (every int8 weight :func:`portable_ssm.quantize` makes), through AVX-512 VNNI
+#: where the CPU has it (``digit_products`` of shared.h); FLOAT32_TILES: float32
+#: (``float_tile_products``).
+INT8_SYMMETRIC, FLOAT32_TILES = 3, 4
 #: Entries of the tables before the layers' and per layer.
 _HEAD_SIZES, _LAYER_SIZES, _HEAD_POINTERS, _LAYER_POINTERS = 6, 8, 5, 15
 #: The least weight bytes a thread of the step reads: about 0.1 ms at a core's streaming rate.
@@ -76,11 +77,12 @@ def _float32(a: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return a
 
 
-def _weight(w: Any, name: str, shape: tuple[int, ...], int8_digits: bool = False) -> tuple[
+def _weight(w: Any, name: str, shape: tuple[int, ...], tiles: bool = False) -> tuple[
         np.ndarray, int, np.ndarray | None]:
     """``(data, kind, scale or None)`` of a float32, int8 or bfloat16-bits weight ``shape`` (``[out,
     in]``, or a stack ``[E, out, in]`` of experts' with a scale per row of each: ``[E, out]``);
-    ``int8_digits``: int8 data holding no -128 gets :data:`INT8_SYMMETRIC` (:func:`symmetric_int8`)."""
+    ``tiles``: float32 data, and int8 data holding no -128, get :data:`FLOAT32_TILES` and
+    :data:`INT8_SYMMETRIC` (:func:`with_tiles`)."""
     data, scale = (w.data, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
     kind = WEIGHT_KINDS.get(getattr(data, "dtype", None))
     if kind is None or not _fits(data) or data.shape != shape:
@@ -89,30 +91,34 @@ def _weight(w: Any, name: str, shape: tuple[int, ...], int8_digits: bool = False
                          f"{list(shape)}, got {got}")
     if scale is not None:
         _float32(scale, f"{name}'s scale", shape[:-1])
-    if int8_digits and kind == WEIGHT_KINDS[np.dtype(np.int8)] and data.size and data.min() > -128:
-        return symmetric_int8(data), INT8_SYMMETRIC, scale
+    if tiles and len(shape) == 2 and data.size and (data.dtype == np.float32 or data.dtype == np.int8
+                                                    and data.min() > -128):
+        return with_tiles(data), FLOAT32_TILES if data.dtype == np.float32 else INT8_SYMMETRIC, scale
     return data, kind, scale
 
 
-def vnni_tiles(w: np.ndarray) -> np.ndarray:
-    """int8 ``w [out, n]`` in the order the VNNI products read it (shared.h): for each 64 rows, a tile
-    of ``B`` blocks of 16 rows as ``[groups of 4 columns][B][16][4]``, zero past ``n`` and ``out``."""
+def row_tiles(w: np.ndarray) -> np.ndarray:
+    """``w [out, n]`` (int8 or float32) in the order a market step's products read it (shared.h): for
+    each 64 rows, a tile of ``B`` blocks of 16 rows as ``[groups][B][16][g]``, a group being ``g`` =
+    4 int8 columns (one VNNI lane's bytes) or 1 float32 column; zero past ``n`` and ``out``."""
     out, n = w.shape
-    blocks, groups = -(-out // 16), -(-n // 4)
-    padded = np.zeros((blocks * 16, groups * 4), np.int8)
+    g = 4 if w.dtype == np.int8 else 1
+    blocks, groups = -(-out // 16), -(-n // g)
+    padded = np.zeros((blocks * 16, groups * g), w.dtype)
     padded[:out, :n] = w
-    rows = padded.reshape(blocks, 16, groups, 4)  # [block, row, group, byte]
+    rows = padded.reshape(blocks, 16, groups, g)  # [block, row, group, column]
     whole = blocks // 4 * 4
-    full = rows[:whole].reshape(whole // 4, 4, 16, groups, 4).transpose(0, 3, 1, 2, 4)  # [tile, group, block, row, 4]
-    last = rows[whole:].transpose(2, 0, 1, 3)  # [group, block, row, 4]: the last tile, of fewer blocks
+    full = rows[:whole].reshape(whole // 4, 4, 16, groups, g).transpose(0, 3, 1, 2, 4)  # [tile, group, block, row, g]
+    last = rows[whole:].transpose(2, 0, 1, 3)  # [group, block, row, g]: the last tile, of fewer blocks
     return np.concatenate([full.reshape(-1), last.reshape(-1)])
 
 
-def symmetric_int8(w: np.ndarray) -> np.ndarray:
-    """A kind :data:`INT8_SYMMETRIC` weight's bytes from int8 ``w [out, n]`` holding no -128: its rows,
-    zeros to a multiple of 64 bytes (``vnni_tiles_at`` of shared.h), then :func:`vnni_tiles`."""
+def with_tiles(w: np.ndarray) -> np.ndarray:
+    """A kind :data:`INT8_SYMMETRIC` or :data:`FLOAT32_TILES` weight's data from ``w [out, n]`` (int8
+    holding no -128, or float32): its rows, zeros to a multiple of 64 bytes (``tiles_at`` of
+    shared.h), then :func:`row_tiles`."""
     rows = w.reshape(-1)
-    return np.concatenate([rows, np.zeros(-rows.size % 64, np.int8), vnni_tiles(w)])
+    return np.concatenate([rows, np.zeros(-rows.nbytes % 64 // w.itemsize, w.dtype), row_tiles(w)])
 
 
 def _address(a: np.ndarray | None) -> int:
@@ -120,13 +126,13 @@ def _address(a: np.ndarray | None) -> int:
 
 
 def mamba_row(params: dict[str, Any], prefix: str, norm: np.ndarray, d: int, g: int, p: int, gate_norm: bool = True,
-              norm_before_gate: bool = False, int8_digits: bool = False) -> tuple[
+              norm_before_gate: bool = False, tiles: bool = False) -> tuple[
                   list[np.ndarray | None], list[int], tuple[int, ...], tuple[int, ...]]:
     """The Mamba-2 mixer under ``prefix`` (``layers.{i}.mixer.``) as the library reads a layer: its
     15 table entries (None: a null pointer; ``norm`` the block's RMSNorm weight first), its 8 sizes,
     and its conv and SSM states' shapes at batch 1. ``gate_norm``: the gated RMSNorm's weight is read
     (mamba_ssm's rmsnorm), else none is (y·silu(z) straight into out_proj); ``norm_before_gate``:
-    rmsnorm(y)·silu(z) instead of rmsnorm(y·silu(z)); ``int8_digits``: as :func:`plan`'s. ValueError
+    rmsnorm(y)·silu(z) instead of rmsnorm(y·silu(z)); ``tiles``: as :func:`plan`'s. ValueError
     naming the first array that does not fit (in_proj's output ``[z, xBC, dt]``, no projection biases)."""
     def get(leaf: str) -> Any:
         return params.get(prefix + leaf)
@@ -153,28 +159,30 @@ def mamba_row(params: dict[str, Any], prefix: str, norm: np.ndarray, d: int, g: 
            _float32(D, prefix + "D", (h, p) if getattr(D, "ndim", 1) == 2 else (h,)),
            _float32(get("norm.weight"), prefix + "norm.weight", (h * p,)) if gate_norm else None, None, None, None]
     w_in, in_kind, in_scale = _weight(get("in_proj.weight"), prefix + "in_proj.weight", (2 * h * p + 2 * g * n + h, d),
-                                      int8_digits)
-    w_out, out_kind, out_scale = _weight(get("out_proj.weight"), prefix + "out_proj.weight", (d, h * p), int8_digits)
+                                      tiles)
+    w_out, out_kind, out_scale = _weight(get("out_proj.weight"), prefix + "out_proj.weight", (d, h * p), tiles)
     sizes = [h, conv_dim, k, n, in_kind, out_kind, D.ndim == 2, norm_before_gate]
     return (row + [w_in, in_scale, w_out, out_scale], sizes,
             (1, conv_dim, k), (1, h, p, n))
 
 
-def head_row(params: dict[str, Any], weight: Any, d: int, int8_digits: bool = False) -> tuple[
+def head_row(params: dict[str, Any], weight: Any, d: int, tiles: bool = False) -> tuple[
         np.ndarray, np.ndarray, int, np.ndarray | None]:
     """``(norm_f, head data, head kind, head scale or None)`` as the library reads them."""
     norm_f = _float32(params.get("norm_f.weight"), "norm_f.weight", (d,))
     rows = getattr(weight, "shape", (0,))[0]
-    head, kind, scale = _weight(weight, "the head's weight", (rows, d), int8_digits)
+    head, kind, scale = _weight(weight, "the head's weight", (rows, d), tiles)
     return norm_f, head, kind, scale
 
 
-def plan(params: dict[str, Any], config: Mamba2Config, *, int8_digits: bool = False) -> Plan:
+def plan(params: dict[str, Any], config: Mamba2Config, *, tiles: bool = False) -> Plan:
     """``params`` of ``config``'s language model checked and gathered for :func:`decode_model`: the
     variant the kernel computes (in_proj's output ``[z, xBC, dt]``, no projection biases, float32
-    arrays; weights float32, int8 with row scales or bfloat16 bits). ``int8_digits``: int8 weights
-    holding no -128 are marked :data:`INT8_SYMMETRIC` (a market stream's plan, whose step takes them
-    through VNNI; one pass over each). ValueError naming the first array or setting that does not fit."""
+    arrays; weights float32, int8 with row scales or bfloat16 bits). ``tiles``: float32 weights, and
+    int8 ones holding no -128, are kept a second time in tile order (:data:`FLOAT32_TILES`,
+    :data:`INT8_SYMMETRIC`): a market stream's plan, whose weights stay in the caches between bars
+    and whose step's products read the tiles. ValueError naming the first array or setting that
+    does not fit."""
     c = config
     if c.d_mlp or not c.rmsnorm or c.norm_before_gate:
         raise ValueError("decode_model: config must have no gated MLP (d_mlp=0), rmsnorm=True and "
@@ -184,14 +192,14 @@ def plan(params: dict[str, Any], config: Mamba2Config, *, int8_digits: bool = Fa
     sizes, pointers, arrays, convs, ssms = [], [], [], [], []
     for i in range(c.n_layer):
         norm = _float32(params.get(f"layers.{i}.norm.weight"), f"layers.{i}.norm.weight", (d,))
-        row, layer_sizes, conv, ssm = mamba_row(params, f"layers.{i}.mixer.", norm, d, g, p, int8_digits=int8_digits)
+        row, layer_sizes, conv, ssm = mamba_row(params, f"layers.{i}.mixer.", norm, d, g, p, tiles=tiles)
         pointers += [_address(a) for a in row]
         arrays += [a for a in row if a is not None]
         sizes += layer_sizes
         convs.append(conv)
         ssms.append(ssm)
     head_weight = lm.head_weight(params, c)
-    norm_f, head, head_kind, head_scale = head_row(params, head_weight, d, int8_digits)
+    norm_f, head, head_kind, head_scale = head_row(params, head_weight, d, tiles)
     arrays += [a for a in (norm_f, head, head_scale) if a is not None]
     vocab = head_weight.shape[0]
     return Plan(np.array([c.n_layer, d, g, p, vocab, head_kind, *sizes], dtype=np.int64),
