@@ -155,7 +155,6 @@ def breakdown(backend: str, reps: int = 400, weights: str = "float32") -> dict[s
     (``MarketBar``: features, inputs and step) and the step within it (``RowsStep``)."""
     import torch
     from portable_ssm.market import synthetic_bars
-    from portable_ssm.market._checks import check_float_array
 
     torch.set_num_threads(1)
     stream = _seed_model(backend, weights=weights).stream([0])
@@ -178,7 +177,7 @@ def breakdown(backend: str, reps: int = 400, weights: str = "float32") -> dict[s
         u = np.random.default_rng(0).standard_normal((1, stream._bar.step.model.d_model)).astype(np.float32)
         return {"update (all)": median(lambda i: stream.update(ids, *(f[60 + i] for f in fields))),
                 "ids -> rows": median(lambda i: stream._rows(ids)),
-                "field checks": median(lambda i: [check_float_array(n, v, ndim=1) for n, v in zip(FIELDS, bar)]),
+                "field checks": median(lambda i: stream._fields(rows, bar)),
                 "whole bar (MarketBar: features, inputs, step)": median(lambda i: stream._whole_bar(rows, bar)),
                 "native step (RowsStep, norm_f and head.weight inside)": median(lambda i: stream._bar.step(u, None))}
 

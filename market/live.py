@@ -235,11 +235,7 @@ class MarketStream:
         float ``[k]`` each (NaN or a non-positive price: a missing bar); returns the predictions
         ``[k]`` float64 made at the bars' close (NaN for an instrument's first bar)."""
         rows = self._rows(instrument_ids)
-        fields = (open, high, low, close, volume)
-        for value in fields:  # the usual bar: float64 arrays shaped like the ids, taken as they are
-            if type(value) is not np.ndarray or value.dtype is not _FLOAT64 or value.shape != rows.shape:
-                fields = self._checked_fields(rows, fields)
-                break
+        fields = self._fields(rows, (open, high, low, close, volume))
         if self._bar is not None:
             return self._whole_bar(rows, fields)
         features, log_close, log_volume = feature_rows(self._previous[0, rows], self._previous[1, rows], *fields)
@@ -254,9 +250,15 @@ class MarketStream:
         return out
 
     @staticmethod
-    def _checked_fields(rows: np.ndarray, fields: tuple[Any, ...]) -> list[np.ndarray]:
-        """:meth:`update`'s five fields as float64 arrays shaped like ``rows``; TypeError or ValueError
-        naming the first that is not one."""
+    def _fields(rows: np.ndarray, fields: tuple[Any, ...]) -> tuple[Any, ...] | list[np.ndarray]:
+        """:meth:`update`'s five fields as float64 arrays shaped like ``rows``: as given where they are
+        (the usual bar: no conversion calls), else converted; TypeError or ValueError naming the
+        first that cannot be."""
+        for value in fields:
+            if type(value) is not np.ndarray or value.dtype is not _FLOAT64 or value.shape != rows.shape:
+                break
+        else:
+            return fields
         fields = [check_float_array(n, v, ndim=1) for n, v in zip(_FIELDS, fields)]
         for name, value in zip(_FIELDS, fields):
             if value.shape != rows.shape:

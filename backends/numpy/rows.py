@@ -6,11 +6,13 @@ one thread, each row's state updated in place.
 (3 to 6 MiB at a market model's shape, more than a core's L2) once per row; this step computes each
 product for all rows together, so the weights are read once per bar (per tile of rows): through
 the row kernel (``tiled_products``: every output the same float as the batch-1 step's for that row
-alone) or, from :data:`GEMM_ROWS` rows on, NumPy's OpenBLAS ``sgemm`` (float32 weights; the same
-products rounded in another order). The conv windows, the heads' state updates and the norms are
-the batch-1 step's, row by row. :class:`RowsStep` checks the model once (:func:`.decode.plan`) and
-the states once per :meth:`RowsStep.bind`, and keeps the rows' state addresses, so a bar costs
-one check of the input and one library call.
+alone; a market plan's weights, ``decode.plan(..., tiles=True)``, through its tiles, int8 by VNNI
+where the CPU has it: each row's output independent of the rows beside it, within float32
+rounding of the row kernel's) or, from :data:`GEMM_ROWS` rows on, NumPy's OpenBLAS ``sgemm``
+(float32 weights; the same products rounded in another order). The conv windows, the heads'
+state updates and the norms are the batch-1 step's, row by row. :class:`RowsStep` checks the model
+once (:func:`.decode.plan`) and the states once per :meth:`RowsStep.bind`, and keeps the rows'
+state addresses, so a bar costs one check of the input and one library call.
 """
 
 from __future__ import annotations
