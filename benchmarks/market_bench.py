@@ -250,6 +250,13 @@ def _read_case(path: str, case: str) -> None:
     elif case == "bars":
         bars = read_bars(path, interval_ns=1_000_000_000)
         out, n = sum(getattr(bars, f).nbytes for f in ("ts_event", *FIELDS)), None
+    elif case == "decompress":  # the zstd frame alone into one reused buffer, nothing parsed: any reader's floor
+        import zstandard
+
+        buffer, out, n = bytearray(1 << 20), 0, None
+        with open(path, "rb") as f, zstandard.ZstdDecompressor().stream_reader(f) as reader:
+            while reader.readinto(buffer):
+                pass
     else:  # "reference": the reader before the chunked one: one databento-dbn object per record
         import databento_dbn as dbn
 
@@ -283,6 +290,8 @@ def reading(records: int, reference_records: int) -> list[dict]:
                  ("OHLCV-1s, 10 instruments, one chosen", files["ohlcv10"], "filter", records),
                  ("trades -> 1 s bars", files["trades"], "bars", records),
                  ("trades + zstd -> 1 s bars", files["trades.zst"], "bars", records),
+                 ("OHLCV-1s + zstd, decompression alone (nothing parsed)", files["ohlcv.zst"], "decompress", records),
+                 ("trades + zstd, decompression alone (nothing parsed)", files["trades.zst"], "decompress", records),
                  (f"OHLCV-1s, record by record (databento-dbn objects, {reference_records:.0e} records)",
                   small["ohlcv"], "reference", reference_records)]
         for label, path, case, n in cases:

@@ -191,8 +191,9 @@ inline void float_tile(const float* tile, const float* x, int64_t n, const float
 
 // y[r] = (w[r] · x)·scale[r] for the rows r in [begin, end) of a float32 weight [out, n] (tiles: its
 // tiles; scale null: none), each row's output the same float whichever rows share the call. A
-// market step's weights stay in the caches between bars; the tiles read them at the cache's rate,
-// where row_products' sums across lanes held a one-row step to about half of it.
+// market step's weights stay in the caches between bars, where row_products' sums across lanes at
+// each row's end were a large part of a one-row step (the seed shape's float32 bar: 137 -> 87 µs,
+// benchmarks/MARKET.md).
 inline void float_tile_products(const float* tiles, const float* x, const float* scale, float* y, int64_t out,
                                 int64_t n, int64_t begin, int64_t end) {
   each_tile(out, begin, end, [&](auto blocks, int64_t first, int64_t lo, int64_t hi) {
