@@ -110,7 +110,7 @@ def test_bad_states_inputs_and_rows_are_refused_by_name():
         RowsStep(dataclasses.asdict(plan))
 
 
-@pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize("kind", ["float32", "int8", "bfloat16"])
 def test_a_market_plans_rows_through_tiles_equal_each_row_stepped_alone_bit_for_bit(kind):
     """A market plan's weights (``tiles``: int8 through VNNI where the CPU has it): a row's logits and
     states do not depend on which rows step with it."""

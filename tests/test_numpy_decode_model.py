@@ -72,10 +72,10 @@ def test_numpy_whole_model_step_equals_the_array_api_step_for_every_weight_kind(
 
 
 def test_only_a_market_plan_keeps_tiles_and_a_minus_128_keeps_the_widening_kernel(library):
-    """``tiles=True`` (a market stream's plan) keeps float32 weights, and int8 ones holding no -128,
-    in tile order, which the rows step reads (int8 through VNNI, which negates weight bytes: -128 has
-    no byte negation); a weight with a -128 stays plain int8; every plan's step equals the row
-    kernel's within float32 rounding."""
+    """``tiles=True`` (a market stream's plan) keeps float32 and bfloat16 weights, and int8 ones
+    holding no -128, in tile order, which the rows step reads (int8 through VNNI, which negates
+    weight bytes: -128 has no byte negation); a weight with a -128 stays plain int8; every plan's
+    step equals the row kernel's within float32 rounding."""
     from portable_ssm.backends.numpy.rows import RowsStep
 
     config, params, token, state = _model("int8")
@@ -86,11 +86,12 @@ def test_only_a_market_plan_keeps_tiles_and_a_minus_128_keeps_the_widening_kerne
     data[3, 5] = -128
     odd = {**params, name: replace(params[name], data=data)}
     assert decode.plan(odd, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [1, decode.INT8_SYMMETRIC]
-    floats = _model("float32")[1]
+    floats, halves = _model("float32")[1], _model("bfloat16")[1]
     assert decode.plan(floats, config).sizes[6 + 4:6 + 6].tolist() == [0, 0]
     assert decode.plan(floats, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [decode.FLOAT32_TILES] * 2
+    assert decode.plan(halves, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [decode.BFLOAT16_TILES] * 2
     x = ps.lm.embed(token, params, xp=backend.xp)  # [1, d_model]
-    for p in (params, odd, floats):
+    for p in (params, odd, floats, halves):
         got, want = [], []
         for tiled, out in ((True, got), (False, want)):
             step = RowsStep(decode.plan(p, config, tiles=tiled), gemm_rows=0)
@@ -99,14 +100,14 @@ def test_only_a_market_plan_keeps_tiles_and_a_minus_128_keeps_the_widening_kerne
         assert _rel(got[0], want[0]) < 2e-6
 
 
-@pytest.mark.parametrize("dtype", [np.int8, np.float32])
+@pytest.mark.parametrize("dtype", [np.int8, np.float32, np.uint16])
 @pytest.mark.parametrize(("out", "n"), [(1, 1), (37, 9), (64, 8), (130, 5)])
 def test_a_tiled_weight_holds_its_rows_then_its_tiles_in_the_documented_order(out, n, dtype):
     """A market plan's weight data (shared.h): the rows, zeros to 64 bytes, then per 64 rows a tile
-    of B blocks of 16 rows as [groups][B][16][g] (g = 4 int8 or 1 float32 columns); every weight at
-    its place, zeros elsewhere."""
+    of B blocks of 16 rows as [groups][B][16][g] (g = 4 int8 columns, else 1); every weight at its
+    place, zeros elsewhere."""
     rng = np.random.default_rng(out + n)
-    w = rng.integers(-127, 128, (out, n)).astype(dtype)
+    w = rng.integers(-127 if dtype == np.int8 else 0, 128, (out, n)).astype(dtype)
     data = decode.with_tiles(w)
     size = np.dtype(dtype).itemsize
     at = -(-out * n * size // 64) * 64 // size  # tiles_at, in elements

@@ -146,10 +146,10 @@ inline void row_products(const T* w, const float* x, const float* scale, float* 
   }
 }
 
-// A market plan's weights (kinds 3 and 4 of decode_model.h) are their rows, then from byte
+// A market plan's weights (kinds 3 to 5 of decode_model.h) are their rows, then from byte
 // tiles_at(out, n, element bytes) the same weights in tile order: for each 64 rows (a tile of up
 // to four blocks of 16 rows), [groups][blocks][16 rows][group], a group being 4 int8 columns (one
-// VNNI lane's bytes) or 1 float32 column, zero past n and past out (row_tiles of
+// VNNI lane's bytes) or 1 float32 or bfloat16 column, zero past n and past out (row_tiles of
 // backends/numpy/decode.py makes them). One group of x then multiplies 16 rows at once, each lane
 // summing one row, with no sums across lanes.
 inline int64_t tiles_at(int64_t out, int64_t n, int64_t bytes) { return (out * n * bytes + 63) / 64 * 64; }
@@ -171,34 +171,35 @@ inline void each_tile(int64_t out, int64_t begin, int64_t end, const Tile& tile)
   }
 }
 
-// y[r] = (w[r] · x)·scale[r] for the rows r in [lo, hi) of one float32 tile of B blocks (tile: its
-// floats; y and scale from its first row; scale null: none): each row's terms summed in x's order,
-// one FMA a term.
-template <int B>
-inline void float_tile(const float* tile, const float* x, int64_t n, const float* scale, float* y, int64_t lo,
-                       int64_t hi) {
+// y[r] = (w[r] · x)·scale[r] for the rows r in [lo, hi) of one tile of B blocks of float32 or
+// bfloat16-bits weights (tile: its weights; y and scale from its first row; scale null: none): each
+// row's terms summed in x's order, one FMA a term.
+template <int B, typename T>
+inline void widened_tile(const T* tile, const float* x, int64_t n, const float* scale, float* y, int64_t lo,
+                         int64_t hi) {
   __m256 acc[2 * B];
   for (int b = 0; b < 2 * B; ++b) acc[b] = _mm256_setzero_ps();
   for (int64_t c = 0; c < n; ++c) {
     const __m256 xc = _mm256_set1_ps(x[c]);
-    const float* at = tile + c * 16 * B;
-    for (int b = 0; b < 2 * B; ++b) acc[b] = _mm256_fmadd_ps(xc, _mm256_loadu_ps(at + 8 * b), acc[b]);
+    const T* at = tile + c * 16 * B;
+    for (int b = 0; b < 2 * B; ++b) acc[b] = _mm256_fmadd_ps(xc, widen8(at, 8 * b), acc[b]);
   }
   alignas(32) float sums[64];
   for (int b = 0; b < 2 * B; ++b) _mm256_store_ps(sums + 8 * b, acc[b]);
   for (int64_t r = lo; r < hi; ++r) y[r] = scale == nullptr ? sums[r] : sums[r] * scale[r];
 }
 
-// y[r] = (w[r] · x)·scale[r] for the rows r in [begin, end) of a float32 weight [out, n] (tiles: its
-// tiles; scale null: none), each row's output the same float whichever rows share the call. A
-// market step's weights stay in the caches between bars, where row_products' sums across lanes at
-// each row's end were a large part of a one-row step (the seed shape's float32 bar: 137 -> 87 µs,
-// benchmarks/MARKET.md).
-inline void float_tile_products(const float* tiles, const float* x, const float* scale, float* y, int64_t out,
-                                int64_t n, int64_t begin, int64_t end) {
+// y[r] = (w[r] · x)·scale[r] for the rows r in [begin, end) of a float32 or bfloat16-bits weight
+// [out, n] (tiles: its tiles; scale null: none), each row's output the same float whichever rows
+// share the call. A market step's weights stay in the caches between bars, where row_products'
+// sums across lanes at each row's end were a large part of a one-row step (the seed shape's
+// float32 bar: 137 -> 87 µs, benchmarks/MARKET.md).
+template <typename T>
+inline void widened_tile_products(const T* tiles, const float* x, const float* scale, float* y, int64_t out,
+                                  int64_t n, int64_t begin, int64_t end) {
   each_tile(out, begin, end, [&](auto blocks, int64_t first, int64_t lo, int64_t hi) {
-    float_tile<decltype(blocks)::value>(tiles + first * n, x, n, scale == nullptr ? nullptr : scale + first,
-                                        y + first, lo, hi);
+    widened_tile<decltype(blocks)::value>(tiles + first * n, x, n, scale == nullptr ? nullptr : scale + first,
+                                          y + first, lo, hi);
   });
 }
 

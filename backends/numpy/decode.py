@@ -37,9 +37,12 @@ WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.uint1
 #: The kinds of a market stream's plan (:func:`plan` with ``tiles=True``): the rows, then the same
 #: weights in tile order (:func:`with_tiles`), which its step's products read. INT8_SYMMETRIC: int8
 #: holding no -128 (every int8 weight :func:`portable_ssm.quantize` makes), through AVX-512 VNNI
-#: where the CPU has it (``digit_products`` of shared.h); FLOAT32_TILES: float32
-#: (``float_tile_products``).
-INT8_SYMMETRIC, FLOAT32_TILES = 3, 4
+#: where the CPU has it (``digit_products`` of shared.h); FLOAT32_TILES and BFLOAT16_TILES: float32
+#: and bfloat16 bits (``widened_tile_products``).
+INT8_SYMMETRIC, FLOAT32_TILES, BFLOAT16_TILES = 3, 4, 5
+#: A market plan's kind of each storage (:func:`with_tiles`).
+_TILED_KINDS = {np.dtype(np.int8): INT8_SYMMETRIC, np.dtype(np.float32): FLOAT32_TILES,
+                np.dtype(np.uint16): BFLOAT16_TILES}
 #: Entries of the tables before the layers' and per layer.
 _HEAD_SIZES, _LAYER_SIZES, _HEAD_POINTERS, _LAYER_POINTERS = 6, 8, 5, 15
 #: The least weight bytes a thread of the step reads: about 0.1 ms at a core's streaming rate.
@@ -81,8 +84,8 @@ def _weight(w: Any, name: str, shape: tuple[int, ...], tiles: bool = False) -> t
         np.ndarray, int, np.ndarray | None]:
     """``(data, kind, scale or None)`` of a float32, int8 or bfloat16-bits weight ``shape`` (``[out,
     in]``, or a stack ``[E, out, in]`` of experts' with a scale per row of each: ``[E, out]``);
-    ``tiles``: float32 data, and int8 data holding no -128, get :data:`FLOAT32_TILES` and
-    :data:`INT8_SYMMETRIC` (:func:`with_tiles`)."""
+    ``tiles``: float32 and bfloat16 data, and int8 data holding no -128, get their tiled kind
+    (:data:`FLOAT32_TILES`, :data:`BFLOAT16_TILES`, :data:`INT8_SYMMETRIC`: :func:`with_tiles`)."""
     data, scale = (w.data, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
     kind = WEIGHT_KINDS.get(getattr(data, "dtype", None))
     if kind is None or not _fits(data) or data.shape != shape:
@@ -91,16 +94,16 @@ def _weight(w: Any, name: str, shape: tuple[int, ...], tiles: bool = False) -> t
                          f"{list(shape)}, got {got}")
     if scale is not None:
         _float32(scale, f"{name}'s scale", shape[:-1])
-    if tiles and len(shape) == 2 and data.size and (data.dtype == np.float32 or data.dtype == np.int8
-                                                    and data.min() > -128):
-        return with_tiles(data), FLOAT32_TILES if data.dtype == np.float32 else INT8_SYMMETRIC, scale
+    if tiles and len(shape) == 2 and data.size and (data.dtype != np.int8 or data.min() > -128):
+        return with_tiles(data), _TILED_KINDS[data.dtype], scale
     return data, kind, scale
 
 
 def row_tiles(w: np.ndarray) -> np.ndarray:
-    """``w [out, n]`` (int8 or float32) in the order a market step's products read it (shared.h): for
-    each 64 rows, a tile of ``B`` blocks of 16 rows as ``[groups][B][16][g]``, a group being ``g`` =
-    4 int8 columns (one VNNI lane's bytes) or 1 float32 column; zero past ``n`` and ``out``."""
+    """``w [out, n]`` (int8, float32 or bfloat16 bits) in the order a market step's products read it
+    (shared.h): for each 64 rows, a tile of ``B`` blocks of 16 rows as ``[groups][B][16][g]``, a
+    group being ``g`` = 4 int8 columns (one VNNI lane's bytes) or 1 column; zero past ``n`` and
+    ``out``."""
     out, n = w.shape
     g = 4 if w.dtype == np.int8 else 1
     blocks, groups = -(-out // 16), -(-n // g)
@@ -114,9 +117,9 @@ def row_tiles(w: np.ndarray) -> np.ndarray:
 
 
 def with_tiles(w: np.ndarray) -> np.ndarray:
-    """A kind :data:`INT8_SYMMETRIC` or :data:`FLOAT32_TILES` weight's data from ``w [out, n]`` (int8
-    holding no -128, or float32): its rows, zeros to a multiple of 64 bytes (``tiles_at`` of
-    shared.h), then :func:`row_tiles`."""
+    """A market plan's weight data from ``w [out, n]`` (int8 holding no -128, float32 or bfloat16
+    bits): its rows, zeros to a multiple of 64 bytes (``tiles_at`` of shared.h), then
+    :func:`row_tiles`."""
     rows = w.reshape(-1)
     return np.concatenate([rows, np.zeros(-rows.nbytes % 64 // w.itemsize, w.dtype), row_tiles(w)])
 
@@ -178,10 +181,10 @@ def head_row(params: dict[str, Any], weight: Any, d: int, tiles: bool = False) -
 def plan(params: dict[str, Any], config: Mamba2Config, *, tiles: bool = False) -> Plan:
     """``params`` of ``config``'s language model checked and gathered for :func:`decode_model`: the
     variant the kernel computes (in_proj's output ``[z, xBC, dt]``, no projection biases, float32
-    arrays; weights float32, int8 with row scales or bfloat16 bits). ``tiles``: float32 weights, and
-    int8 ones holding no -128, are kept a second time in tile order (:data:`FLOAT32_TILES`,
-    :data:`INT8_SYMMETRIC`): a market stream's plan, whose weights stay in the caches between bars
-    and whose step's products read the tiles. ValueError naming the first array or setting that
+    arrays; weights float32, int8 with row scales or bfloat16 bits). ``tiles``: the weights (int8 ones
+    where they hold no -128) are kept a second time in tile order (:func:`with_tiles`): a market
+    stream's plan, whose weights stay in the caches between bars and whose step's products read
+    the tiles. ValueError naming the first array or setting that
     does not fit."""
     c = config
     if c.d_mlp or not c.rmsnorm or c.norm_before_gate:
