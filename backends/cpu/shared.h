@@ -261,8 +261,8 @@ PORTABLE_SSM_TARGET_VNNI inline bool byte_digits(const float* x, int64_t n, uint
 PORTABLE_SSM_TARGET_VNNI inline __m512i wide_half(__m512i a, int part) {
   return _mm512_cvtepi32_epi64(part == 0 ? _mm512_castsi512_si256(a) : _mm512_extracti64x4_epi64(a, 1));
 }
-// Groups a pass of tile_digit_products sums in int32: four lanes' 4·kDigitGroups products of at
-// most 255·127 each (66 M) fit.
+// Groups a pass of tile_digit_products sums in int32: an int32 lane's 4·kDigitGroups products of
+// at most 255·127 each (66 M) fit.
 constexpr int64_t kDigitGroups = 512;
 
 // y[r] = (w[r] · x)·unit·scale[r] for the rows r in [lo, hi) of one tile of B blocks (tile: its
