@@ -33,6 +33,7 @@ every path to the batch forward within float32 rounding.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -250,7 +251,7 @@ class MarketStream:
         return out
 
     @staticmethod
-    def _fields(rows: np.ndarray, fields: tuple[Any, ...]) -> tuple[Any, ...] | list[np.ndarray]:
+    def _fields(rows: np.ndarray, fields: Sequence[Any]) -> Sequence[np.ndarray]:
         """:meth:`update`'s five fields as float64 arrays shaped like ``rows``: as given where they are
         (the usual bar: no conversion calls), else converted; TypeError or ValueError naming the
         first that cannot be."""
@@ -296,7 +297,7 @@ class MarketStream:
             self._bar.bind(self._previous, self._seen)
             self._bound = self.state
 
-    def _whole_bar(self, rows: np.ndarray, fields: list[np.ndarray]) -> np.ndarray:
+    def _whole_bar(self, rows: np.ndarray, fields: Sequence[np.ndarray]) -> np.ndarray:
         """:meth:`update` after its checks as one call of
         :class:`~portable_ssm.backends.numpy.rows.MarketBar`: features, inputs and the step together."""
         if self.state is None:  # no instrument streaming: nothing to step

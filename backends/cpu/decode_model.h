@@ -145,6 +145,24 @@ inline void conv_step(const float* cs, const float* xin, const float* w, const f
   silu_pass(act, count);
 }
 
+// One channel's state row: H'[:m] = decay·H[:m] + feed·B into nrow (streamed where `stream`), m = n
+// rounded down to 8; returns the eight-lane sums of H'[:m]·C.
+inline __m256 channel_step(const float* hrow, float* nrow, __m256 vdecay, __m256 vfeed, const float* B, const float* C,
+                           int64_t n, bool stream) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t j = 0; j + 8 <= n; j += 8) {
+    if (j % 16 == 0) prefetch(hrow + j + kAheadBytes / sizeof(float));
+    const __m256 v = _mm256_fmadd_ps(vfeed, _mm256_loadu_ps(B + j), _mm256_mul_ps(vdecay, _mm256_loadu_ps(hrow + j)));
+    if (stream) {
+      _mm256_stream_ps(nrow + j, v);
+    } else {
+      _mm256_storeu_ps(nrow + j, v);
+    }
+    acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(C + j), acc);
+  }
+  return acc;
+}
+
 // One head of one row after the conv: Δ = clamp(softplus(dt + dt_bias), lo, hi), H' = exp(Δ·A)·H +
 // Δ·outer(x, B) into Hn [p, n] (streamed past the caches where `stream`), out [p] = (H' @ C + D·x)·silu(gate)
 // with D per channel (d [p]) or one d_all (d null).
@@ -159,21 +177,8 @@ inline void head_step(float dt, float dt_bias, float A, float lo, float hi, cons
     for (; i + 8 <= p; i += 8) {
       __m256 acc[8];
       for (int c = 0; c < 8; ++c) {
-        const float* hrow = H + (i + c) * n;
-        float* nrow = Hn + (i + c) * n;
-        const __m256 vfeed = _mm256_set1_ps(step * x[i + c]);
-        acc[c] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j += 8) {
-          if (j % 16 == 0) prefetch(hrow + j + kAheadBytes / sizeof(float));
-          const __m256 v =
-              _mm256_fmadd_ps(vfeed, _mm256_loadu_ps(B + j), _mm256_mul_ps(vdecay, _mm256_loadu_ps(hrow + j)));
-          if (stream) {
-            _mm256_stream_ps(nrow + j, v);
-          } else {
-            _mm256_storeu_ps(nrow + j, v);
-          }
-          acc[c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(C + j), acc[c]);
-        }
+        acc[c] = channel_step(H + (i + c) * n, Hn + (i + c) * n, vdecay, _mm256_set1_ps(step * x[i + c]), B, C, n,
+                              stream);
       }
       const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
       const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
@@ -185,21 +190,8 @@ inline void head_step(float dt, float dt_bias, float A, float lo, float hi, cons
     const float* hrow = H + i * n;
     float* nrow = Hn + i * n;
     const float feed = step * x[i];
-    const __m256 vfeed = _mm256_set1_ps(feed);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      if (j % 16 == 0) prefetch(hrow + j + kAheadBytes / sizeof(float));
-      __m256 v = _mm256_fmadd_ps(vfeed, _mm256_loadu_ps(B + j), _mm256_mul_ps(vdecay, _mm256_loadu_ps(hrow + j)));
-      if (stream) {
-        _mm256_stream_ps(nrow + j, v);
-      } else {
-        _mm256_storeu_ps(nrow + j, v);
-      }
-      acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(C + j), acc);
-    }
-    float dot = horizontal_sum(acc);
-    for (; j < n; ++j) {
+    float dot = horizontal_sum(channel_step(hrow, nrow, vdecay, _mm256_set1_ps(feed), B, C, n, stream));
+    for (int64_t j = n / 8 * 8; j < n; ++j) {
       nrow[j] = decay * hrow[j] + feed * B[j];
       dot += nrow[j] * C[j];
     }

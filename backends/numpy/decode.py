@@ -184,8 +184,7 @@ def plan(params: dict[str, Any], config: Mamba2Config, *, tiles: bool = False) -
     arrays; weights float32, int8 with row scales or bfloat16 bits). ``tiles``: the weights (int8 ones
     where they hold no -128) are kept a second time in tile order (:func:`with_tiles`): a market
     stream's plan, whose weights stay in the caches between bars and whose step's products read
-    the tiles. ValueError naming the first array or setting that
-    does not fit."""
+    the tiles. ValueError naming the first array or setting that does not fit."""
     c = config
     if c.d_mlp or not c.rmsnorm or c.norm_before_gate:
         raise ValueError("decode_model: config must have no gated MLP (d_mlp=0), rmsnorm=True and "

@@ -147,7 +147,6 @@ class RowsStep:
         return f"RowsStep(rows bound={self._batch}, gemm_rows={self._gemm_rows})"
 
 
-
 class MarketBar:
     """A market stream's whole bar in one library call (``portable_ssm_market_bar``): each row's
     features from its five fields and carried values, normalised and mapped by the head's input map,
