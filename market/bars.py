@@ -22,7 +22,17 @@ from typing import Any
 import numpy as np
 
 from ._checks import MarketDataError, as_path, check_choice, check_int, open_regular
-from .dbn import OHLCV_SCHEMAS, RTYPES, TimeOrder, iter_records, layout, read_schema, record_capacity
+from .dbn import (
+    OHLCV_SCHEMAS,
+    RTYPES,
+    TimeOrder,
+    check_records,
+    iter_records,
+    layout,
+    read_schema,
+    record_capacity,
+    unchecked_records,
+)
 
 PRICE_SCALE = 1_000_000_000  # DBN fixed-point: 1 unit = 1e-9
 UNDEF_PRICE = 2**63 - 1
@@ -112,23 +122,54 @@ def _as_instrument(instrument_id: int | None) -> int | None:
     return None if instrument_id is None else check_int("instrument_id", instrument_id, minimum=0, maximum=2**32 - 1)
 
 
-def _selected(path: str, instrument_id: int | None, chunk_records: int) -> Iterator[tuple[str, np.ndarray]]:
-    """``(schema, records)`` chunks of the one instrument read (``instrument_id``, or the file's
-    only one), checked for time order; MarketDataError when several are there and none is chosen."""
-    order, only = TimeOrder(path), None
-    for schema, first, records in iter_records(path, chunk_records=chunk_records):
+class _Selection:
+    """The records of one instrument, chunk by chunk: ``instrument_id``'s, or the file's only one's
+    (MarketDataError when several are there and none is chosen), checked for time order."""
+
+    def __init__(self, path: str, instrument_id: int | None) -> None:
+        self.path, self.instrument_id, self.order, self.only = path, instrument_id, TimeOrder(path), None
+
+    def __call__(self, first: int, records: np.ndarray) -> np.ndarray:
+        """The chunk's records (the first at file index ``first``) of the instrument."""
         ids = records["instrument_id"]
-        if instrument_id is None:
-            only = int(ids[0]) if only is None else only
-            if (ids != only).any():
-                seen = sorted({only, *np.unique(ids).tolist()})
-                raise MarketDataError(f"{path}: holds instruments {seen}; choose one with instrument_id")
+        if self.instrument_id is None:
+            self.only = int(ids[0]) if self.only is None else self.only
+            if (ids != self.only).any():
+                seen = sorted({self.only, *np.unique(ids).tolist()})
+                raise MarketDataError(f"{self.path}: holds instruments {seen}; choose one with instrument_id")
             index = first + np.arange(records.shape[0])
         else:
-            index = first + np.flatnonzero(ids == instrument_id)
+            index = first + np.flatnonzero(ids == self.instrument_id)
             records = records[index - first]
-        order.check(records["ts_event"].view(np.int64), index)
-        yield schema, records
+        self.order.check(records["ts_event"].view(np.int64), index)
+        return records
+
+
+    def state(self) -> np.ndarray:
+        """What is carried from chunk to chunk, as the compiled passes read and update it: int64
+        ``[3]``, the instrument read (-1: none yet or one chosen), the last ts_event and its index."""
+        return np.array([-1 if self.only is None else self.only, self.order.last, self.order.last_index],
+                        dtype=np.int64)
+
+    def carry(self, state: np.ndarray) -> None:
+        """Takes back :meth:`state` as a compiled pass left it."""
+        self.only = None if state[0] < 0 else int(state[0])
+        self.order.last, self.order.last_index = int(state[1]), int(state[2])
+
+    def chunks(self, chunk_records: int, compiled) -> Iterator[tuple[str, np.ndarray]]:
+        """``(schema, records)`` of the instrument for each chunk of the file that ``compiled``
+        (``compiled(schema, first, records, chosen, state) -> bool``, or None; chosen: the
+        instrument asked for or -1) did not take: it reads the unchecked chunk in one pass and
+        updates ``state`` where it takes it; the rest are checked and selected here, so the errors
+        are the NumPy path's."""
+        chosen = -1 if self.instrument_id is None else self.instrument_id
+        for schema, first, records in unchecked_records(self.path, chunk_records=chunk_records):
+            state = self.state()
+            if compiled is not None and compiled(schema, first, records, chosen, state):
+                self.carry(state)
+                continue
+            check_records(records, schema, first, self.path)
+            yield schema, self(first, records)
 
 
 def _file_prices(path: str, records: np.ndarray, name: str) -> np.ndarray:
@@ -185,18 +226,35 @@ class _Columns:
     def __init__(self, capacity: int, exact: bool) -> None:
         self.capacity, self.grows, self.out, self.n = capacity, not exact, None, 0
 
-    def add(self, columns: dict[str, np.ndarray]) -> None:
-        m = columns["ts_event"].shape[0]
+    def _room(self, m: int, dtypes: dict[str, np.dtype]) -> None:
+        """Columns of ``dtypes`` with room for ``m`` more rows."""
         if self.out is None:  # untouched pages cost no memory: only the rows written are resident
             self.capacity = max(self.capacity, m) if self.grows else self.capacity
-            self.out = {name: np.empty(self.capacity, v.dtype) for name, v in columns.items()}
+            self.out = {name: np.empty(self.capacity, dtype) for name, dtype in dtypes.items()}
         if self.n + m > self.capacity:
             self.capacity = self.n + m + GROW_RECORDS
             for values in self.out.values():
                 values.resize(self.capacity, refcheck=False)  # no view of these arrays exists yet
+
+    def add(self, columns: dict[str, np.ndarray]) -> None:
+        m = columns["ts_event"].shape[0]
+        self._room(m, {name: v.dtype for name, v in columns.items()})
         for name, values in columns.items():
             self.out[name][self.n:self.n + m] = values
         self.n += m
+
+    def compiled(self, schema: str, first: int, records: np.ndarray, chosen: int, state: np.ndarray) -> bool:
+        """An OHLCV chunk's columns written in place by one compiled pass (``ohlcv_columns`` of
+        NumPy's CPU kernels, the values of :func:`_columns` bit for bit; :meth:`_Selection.chunks`
+        says the rest); False where it leaves the chunk to the NumPy path."""
+        from portable_ssm.backends.numpy import kernels
+
+        if kernels.library() is None:
+            return False
+        self._room(records.shape[0], kernels.OHLCV_COLUMNS)
+        m = kernels.ohlcv_columns(records, RTYPES[schema], chosen, first, state, self.out, self.n)
+        self.n += m or 0
+        return m is not None
 
     def result(self, path: str, schema: str) -> dict[str, np.ndarray]:
         if self.out is None:
@@ -219,7 +277,8 @@ def read_dbn_columns(path: str | os.PathLike, *, instrument_id: int | None = Non
     path = os.fspath(as_path("path", path))
     instrument_id = _as_instrument(instrument_id)
     schema, sink = read_schema(path), _Columns(*record_capacity(path))
-    for schema, records in _selected(path, instrument_id, chunk_records):
+    compiled = sink.compiled if schema in OHLCV_SCHEMAS else None
+    for _, records in _Selection(path, instrument_id).chunks(chunk_records, compiled):
         sink.add(_columns(path, schema, records))
     columns = sink.result(path, schema)
     if columns["ts_event"].shape[0] == 0 and instrument_id is not None:
@@ -245,7 +304,25 @@ class _BarCutter:
         ends = np.concatenate([starts[1:], [bucket.size]]) - 1
         bars = np.stack([bucket[starts].astype(np.float64), price[starts], np.maximum.reduceat(price, starts),
                          np.minimum.reduceat(price, starts), price[ends], np.add.reduceat(size, starts)])  # [6, n_bars]
-        buckets = bucket[starts]
+        self.merge(bucket[starts], bars)
+
+    def compiled(self, schema: str, first: int, records: np.ndarray, chosen: int, state: np.ndarray) -> bool:
+        """A chunk of events cut into bars by one compiled pass (``event_bars`` of NumPy's CPU
+        kernels, the arithmetic of :meth:`add` bit for bit; :meth:`_Selection.chunks` says the
+        rest); False where it leaves the chunk to the NumPy path."""
+        from portable_ssm.backends.numpy import kernels
+
+        bars = kernels.event_bars(records, RTYPES[schema], schema == "mbp-1", chosen, first, self.interval, state)
+        if bars is not None:
+            self.merge(*bars)
+        return bars is not None
+
+    def merge(self, buckets: np.ndarray, bars: np.ndarray) -> None:
+        """The next events' bars, ``buckets [k]`` and ``bars [6, k]`` (bucket, open, high, low,
+        close, volume; kept, and the first written to), the first joining the bar carried from
+        before where they share a bucket."""
+        if buckets.size == 0:
+            return
         if self.carry is not None:
             carried_bucket, row = self.carry
             if buckets[0] == carried_bucket:
@@ -303,7 +380,7 @@ def read_bars(path: str | os.PathLike, *, instrument_id: int | None = None, inte
     if interval_ns is None:
         raise ValueError(f"interval_ns: {path} holds {schema} events; give a bar length (e.g. 1_000_000_000)")
     cutter = _BarCutter(interval_ns)
-    for _, records in _selected(path, instrument_id, chunk_records):
+    for schema, records in _Selection(path, instrument_id).chunks(chunk_records, cutter.compiled):
         cutter.add(*_events(path, schema, records))
     return cutter.bars(path)
 

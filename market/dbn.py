@@ -33,7 +33,7 @@ ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_METADATA_BYTES = 64 << 20  # symbology mappings can be long; anything beyond this is refused
 CHUNK_RECORDS = 1 << 18  # records per chunk: 14 MiB of OHLCV, the bounded working set
 MAX_ZSTD_RATIO = 64  # a zstd frame's claimed content size is trusted up to this many times the file's size
-_ZSTD_PIECE = 1 << 12  # compressed bytes per decompress call: at most ~128 MiB out of one call
+_ZSTD_OUT = 1 << 20  # bytes a zstd read decompresses at a time, into one reused buffer
 
 _HEADER = [("length", "u1"), ("rtype", "u1"), ("publisher_id", "<u2"), ("instrument_id", "<u4"), ("ts_event", "<u8")]
 _TRADE = [("price", "<i8"), ("size", "<u4"), ("action", "S1"), ("side", "S1"), ("flags", "u1"), ("depth", "u1"),
@@ -60,31 +60,62 @@ def _plain_blocks(f: BinaryIO, size: int) -> Iterator[bytes]:
         yield block
 
 
-def _zstd_blocks(f: BinaryIO, path: str) -> Iterator[bytes]:
-    """The decompressed stream of one or more zstd frames, one piece per decompress call (at most
-    about 128 MiB each); a MarketDataError when it ends inside a frame or is not zstd."""
+def _zstd_frames_whole(f: BinaryIO, path: str) -> None:
+    """MarketDataError unless the file is whole zstd frames (RFC 8878; skippable frames allowed):
+    each frame's header and block headers are walked to its end (3 bytes read a block, by pread),
+    so a stream cut anywhere, even between two blocks, is refused before anything is read from it."""
+    fd, size, at = f.fileno(), os.fstat(f.fileno()).st_size, 0
+    cut = MarketDataError(f"{path}: truncated: the zstd stream ends inside a frame")
+
+    def take(n: int) -> bytes:
+        data = os.pread(fd, n, at)
+        if len(data) < n:
+            raise cut
+        return data
+
+    while at < size:
+        magic = int.from_bytes(take(4), "little")
+        if magic & 0xFFFFFFF0 == 0x184D2A50:  # a skippable frame: its size, then that many bytes
+            at += 8 + int.from_bytes(take(8)[4:], "little")
+        elif magic != 0xFD2FB528:
+            raise MarketDataError(f"{path}: corrupt zstd stream (no frame starts at byte {at})")
+        else:
+            descriptor = take(5)[4]
+            if descriptor & 0x08:
+                raise MarketDataError(f"{path}: corrupt zstd stream (a reserved bit set in the frame at byte {at})")
+            single, fcs = descriptor >> 5 & 1, descriptor >> 6
+            at += 5 + (1 - single) + (0, 1, 2, 4)[descriptor & 3] + (single, 2, 4, 8)[fcs]  # the frame header
+            last = False
+            while not last:
+                block = int.from_bytes(take(3), "little")
+                last, kind, length = bool(block & 1), block >> 1 & 3, block >> 3
+                if kind == 3:
+                    raise MarketDataError(f"{path}: corrupt zstd stream (a reserved block type at byte {at})")
+                at += 3 + (1 if kind == 1 else length)  # an RLE block holds one byte
+            at += 4 * (descriptor >> 2 & 1)  # the content checksum
+        if at > size:
+            raise cut
+
+
+def _zstd_blocks(f: BinaryIO, path: str) -> Iterator[memoryview]:
+    """The decompressed stream of one or more zstd frames (:func:`_zstd_frames_whole` first), in
+    pieces of at most :data:`_ZSTD_OUT` bytes decompressed into one reused buffer (each valid until
+    the next); a MarketDataError for a corrupt or cut stream."""
     try:
         import zstandard
     except ImportError:
         raise ImportError(f"{path} is zstd-compressed: reading it needs zstandard "
                           f"(pip install 'portable_ssm[market]')") from None
 
-    make = zstandard.ZstdDecompressor().decompressobj
-    decoder, fed = make(), False
+    _zstd_frames_whole(f, path)
+    buffer = memoryview(bytearray(_ZSTD_OUT))
     try:
-        while piece := f.read(_ZSTD_PIECE):
-            while piece:
-                out = decoder.decompress(piece)
-                fed = True
-                if out:
-                    yield out
-                piece = b""
-                if decoder.eof:
-                    piece, decoder, fed = decoder.unused_data, make(), False
+        with zstandard.ZstdDecompressor().stream_reader(f, read_size=_ZSTD_OUT, read_across_frames=True,
+                                                        closefd=False) as reader:
+            while got := reader.readinto(buffer):
+                yield buffer[:got]
     except zstandard.ZstdError as err:
         raise MarketDataError(f"{path}: corrupt zstd stream ({err})") from None
-    if fed:
-        raise MarketDataError(f"{path}: truncated: the zstd stream ends inside a frame")
 
 
 def _take(stream: Iterator[bytes], have: bytes, n: int) -> bytes:
@@ -94,7 +125,7 @@ def _take(stream: Iterator[bytes], have: bytes, n: int) -> bytes:
         block = next(stream, None)
         if block is None:
             break
-        parts.append(block)
+        parts.append(bytes(block))  # a zstd piece's buffer is reused by the next
         total += len(block)
     return b"".join(parts)
 
@@ -127,7 +158,7 @@ def _schema(metadata: Any, path: str) -> str:
     return schema
 
 
-def _check_records(records: np.ndarray, schema: str, first: int, path: str) -> None:
+def check_records(records: np.ndarray, schema: str, first: int, path: str) -> None:
     """Every record has the schema's length and rtype, and a defined ts_event."""
     words, rtype = records.dtype.itemsize // 4, RTYPES[schema]
     bad = np.flatnonzero((records["length"] != words) | (records["rtype"] != rtype))
@@ -148,6 +179,16 @@ def iter_records(path: str | os.PathLike, *,
     array of :func:`layout` that is valid until the next chunk is read (plain and zstd files are
     read into one reused buffer: copy what you keep). Checks each record's length, rtype and ts_event (see
     the module docstring); the order of ts_event is the caller's to check (:class:`TimeOrder`)."""
+    for schema, first, records in unchecked_records(path, chunk_records=chunk_records):
+        check_records(records, schema, first, path)
+        yield schema, first, records
+
+
+def unchecked_records(path: str | os.PathLike, *,
+                      chunk_records: int = CHUNK_RECORDS) -> Iterator[tuple[str, int, np.ndarray]]:
+    """:func:`iter_records` without the records' checks, which the caller makes
+    (:func:`check_records`, or a compiled pass that leaves any chunk it refuses to it); the
+    stream's own (header, metadata, truncation) are made here."""
     chunk_records = check_int("chunk_records", chunk_records, minimum=1)
     path = os.fspath(path)
     f, _ = open_regular(path)
@@ -162,7 +203,6 @@ def iter_records(path: str | os.PathLike, *,
             records.flags.writeable = False
             rest = data[n * dtype.itemsize:]
             if n:
-                _check_records(records, schema, first, path)
                 yield schema, first, records
                 first += n
         if len(rest):

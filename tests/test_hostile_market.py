@@ -216,6 +216,40 @@ def test_a_truncated_zstd_dbn_file_is_refused_not_read_short(tmp_path):
         read_bars(tmp_path / "cut.dbn.zst")
 
 
+def test_a_zstd_dbn_file_cut_anywhere_is_refused_even_between_frames_or_blocks(tmp_path):
+    """Two frames (the first ends on a record boundary, the second of several blocks, with a
+    checksum) and a skippable frame between them: every cut inside a frame is refused as
+    truncated, cuts between blocks and in frame headers included (a decompressor alone would end
+    there quietly, short). A cut between frames leaves whole frames: a shorter file, not a cut one."""
+    zstandard = pytest.importorskip("zstandard")
+    data, head = _dbn_file(tmp_path, n=8000)  # 8000 bars: the second frame holds several 128 KiB blocks
+    one = zstandard.ZstdCompressor().compress(data[:head + 56 * 100])
+    two = zstandard.ZstdCompressor(write_checksum=True).compress(data[head + 56 * 100:])
+    skippable = (0x184D2A53).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"skip!"
+    packed = one + skippable + two
+    (tmp_path / "whole.dbn.zst").write_bytes(packed)
+    assert len(read_bars(tmp_path / "whole.dbn.zst")) == 8000
+    between = (len(one), len(one) + len(skippable))
+    cuts = [*range(len(one) + 1, len(one) + len(skippable) + 40), *range(len(packed) - 12, len(packed)),
+            *range(97, len(packed), 997)]
+    for cut in between:
+        (tmp_path / "short.dbn.zst").write_bytes(packed[:cut])
+        assert len(read_bars(tmp_path / "short.dbn.zst")) == 100
+    cuts = [cut for cut in cuts if cut not in between]
+    for cut in cuts:
+        (tmp_path / "cut.dbn.zst").write_bytes(packed[:cut])
+        with pytest.raises(MarketDataError, match=r"cut\.dbn\.zst: truncated"):
+            read_bars(tmp_path / "cut.dbn.zst")
+
+
+def test_bytes_after_the_last_zstd_frame_are_refused_as_corrupt(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    data, _ = _dbn_file(tmp_path, n=50)
+    (tmp_path / "tail.dbn.zst").write_bytes(zstandard.ZstdCompressor().compress(data) + b"junk at the end")
+    with pytest.raises(MarketDataError, match=r"tail\.dbn\.zst: corrupt zstd stream \(no frame starts at byte"):
+        read_bars(tmp_path / "tail.dbn.zst")
+
+
 def test_records_out_of_time_order_are_refused_naming_the_record(tmp_path):
     bars = synthetic_bars("planted", 30, seed=2)
     swapped = bars.ts_event.copy()
@@ -264,6 +298,24 @@ def test_mangled_dbn_files_raise_only_market_data_errors(tmp_path, cut, flips):
         bars = read_bars(tmp_path / "m.dbn", instrument_id=1)
     except MarketDataError as err:
         assert "m.dbn" in str(err)
+        return
+    assert len(bars) <= 40 and (np.diff(bars.ts_event) >= 0).all()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(0, 1200), flips=st.lists(st.tuples(st.integers(0, 1200), st.integers(0, 255)), max_size=4))
+def test_mangled_zstd_dbn_files_raise_only_market_data_errors(tmp_path, cut, flips):
+    zstandard = pytest.importorskip("zstandard")
+    data, _ = _dbn_file(tmp_path, n=40, name="good.dbn")
+    mangled = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(data)[:cut])
+    for at, value in flips:
+        if at < len(mangled):
+            mangled[at] = value
+    (tmp_path / "m.dbn.zst").write_bytes(bytes(mangled))
+    try:
+        bars = read_bars(tmp_path / "m.dbn.zst", instrument_id=1)
+    except MarketDataError as err:
+        assert "m.dbn.zst" in str(err)
         return
     assert len(bars) <= 40 and (np.diff(bars.ts_event) >= 0).all()
 

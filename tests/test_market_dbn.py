@@ -23,7 +23,9 @@ def _records(schema: str, n: int, seed: int) -> list:
     ts = np.cumsum(rng.integers(0, 400_000_000, n))
     ids = rng.integers(1, 3, n)
     px = rng.integers(90_000_000_000, 110_000_000_000, (n, 4))
-    px[rng.random(n) < 0.05, 0] = dbn.UNDEF_PRICE
+    px[:, 2] = px[:, 1] + 10_000_000  # MBP-1's ask over its bid
+    for column in (0, 1, 2):  # a price, a bid or an ask undefined now and then
+        px[rng.random(n) < 0.05, column] = dbn.UNDEF_PRICE
     size = rng.integers(1, 100, n)
     out = []
     for i in range(n):
@@ -35,8 +37,7 @@ def _records(schema: str, n: int, seed: int) -> list:
         else:
             action = dbn.Action.TRADE if i % 3 == 0 else dbn.Action.ADD
             out.append(dbn.MBP1Msg(1, int(ids[i]), int(ts[i]), int(px[i, 0]), int(size[i]), action, dbn.Side.BID,
-                                   0, int(ts[i]) + 5, levels=dbn.BidAskPair(bid_px=int(px[i, 1]),
-                                                                              ask_px=int(px[i, 1]) + 10_000_000,
+                                   0, int(ts[i]) + 5, levels=dbn.BidAskPair(bid_px=int(px[i, 1]), ask_px=int(px[i, 2]),
                                                                               bid_sz=3, ask_sz=4)))
     return out
 
@@ -61,7 +62,8 @@ def _reference(records: list, schema: str, instrument_id: int) -> dict[str, np.n
 
 @pytest.mark.parametrize("schema", ["ohlcv-1s", "trades", "mbp-1"])
 @pytest.mark.parametrize("compressed", [False, True])
-def test_chunked_reader_equals_the_record_by_record_decoder(tmp_path, schema, compressed):
+def test_chunked_reader_equals_the_record_by_record_decoder(tmp_path, schema, compressed, numpy_path):
+    """Through NumPy's ufuncs and through the compiled pass that takes OHLCV chunks (``numpy_path``)."""
     records = _records(schema, 300, seed=len(schema))
     data = _metadata(schema) + b"".join(bytes(r) for r in records)
     path = tmp_path / ("f.dbn.zst" if compressed else "f.dbn")
@@ -85,84 +87,89 @@ def test_zstd_files_of_several_frames_read_whole(tmp_path):
                                   _reference(records, "trades", 1)["ts_event"])
 
 
+def _whole_array_bars(records: list, schema: str, instrument_id: int):
+    """The bars of ``resample`` (NumPy) over one instrument's whole event arrays: trade prices, or
+    MBP-1 mids with the size of trade events only."""
+    c = _reference(records, schema, instrument_id)
+    if schema == "trades":
+        return resample(c["ts_event"], c["price"], c["size"], 1_000_000_000)
+    return resample(c["ts_event"], (c["bid_px"] + c["ask_px"]) / 2, np.where(c["action"] == "T", c["size"], 0),
+                    1_000_000_000)
+
+
+@pytest.mark.parametrize("schema", ["trades", "mbp-1"])
 @pytest.mark.parametrize("chunk", [1, 3, 50, 1 << 18])
-def test_trades_cut_into_bars_chunk_by_chunk_equal_the_bars_of_the_whole_array(tmp_path, chunk):
-    records = _records("trades", 400, seed=9)
-    (tmp_path / "t.dbn").write_bytes(_metadata("trades") + b"".join(bytes(r) for r in records))
-    columns = _reference(records, "trades", 2)
-    whole = resample(columns["ts_event"], columns["price"], columns["size"], 1_000_000_000)
-    bars = read_bars(tmp_path / "t.dbn", instrument_id=2, interval_ns=1_000_000_000, chunk_records=chunk)
-    for name in ("ts_event", "open", "high", "low", "close", "volume"):
-        np.testing.assert_array_equal(getattr(bars, name), getattr(whole, name), err_msg=name)
-
-
-@pytest.mark.parametrize("schema", ["ohlcv-1s", "trades", "mbp-1"])
-def test_every_instruments_bars_from_one_pass_equal_reading_each_alone(tmp_path, schema):
-    from portable_ssm.market import read_bars_by_instrument
-
-    records = _records(schema, 500, seed=11)
-    (tmp_path / "f.dbn").write_bytes(_metadata(schema) + b"".join(bytes(r) for r in records))
-    interval = None if schema == "ohlcv-1s" else 1_000_000_000
-    every = read_bars_by_instrument(tmp_path / "f.dbn", interval_ns=interval, chunk_records=37)
-    assert sorted(every) == [1, 2]
-    for instrument, bars in every.items():
-        alone = read_bars(tmp_path / "f.dbn", instrument_id=instrument, interval_ns=interval)
+def test_events_cut_into_bars_chunk_by_chunk_equal_the_bars_of_the_whole_array(tmp_path, schema, chunk, numpy_path):
+    """Bit for bit, through NumPy's ufuncs and through the compiled cutter (``numpy_path``), one
+    instrument chosen out of two or the file's only one."""
+    records = _records(schema, 400, seed=9)
+    alone = [r for r in records if r.instrument_id == 2]
+    (tmp_path / "t.dbn").write_bytes(_metadata(schema) + b"".join(bytes(r) for r in records))
+    (tmp_path / "one.dbn").write_bytes(_metadata(schema) + b"".join(bytes(r) for r in alone))
+    whole = _whole_array_bars(records, schema, 2)
+    for bars in (read_bars(tmp_path / "t.dbn", instrument_id=2, interval_ns=1_000_000_000, chunk_records=chunk),
+                 read_bars(tmp_path / "one.dbn", interval_ns=1_000_000_000, chunk_records=chunk)):
         for name in ("ts_event", "open", "high", "low", "close", "volume"):
-            np.testing.assert_array_equal(getattr(bars, name), getattr(alone, name), err_msg=f"{instrument} {name}")
-    assert list(read_bars_by_instrument(tmp_path / "f.dbn", instrument_ids=[2], interval_ns=interval)) == [2]
+            np.testing.assert_array_equal(getattr(bars, name), getattr(whole, name), err_msg=name)
 
 
-def test_one_instrument_out_of_time_order_is_refused_naming_its_record(tmp_path):
-    from portable_ssm.market import MarketDataError, read_bars_by_instrument
+def _faulty_file(tmp_path, fault: str, schema: str = "trades"):
+    """A 40-record file of instrument 1 with one fault at record 25 (or none), and its header's length."""
+    records = _records(schema, 40, seed=5)
+    data = bytearray(_metadata(schema))
+    head, size = len(data), len(bytes(records[0]))
+    for i, r in enumerate(records):
+        r.instrument_id = 7 if i == 25 and fault == "second instrument" else 1
+        data += bytes(r)
+    at = head + size * 25
+    if fault == "out of time order":
+        data[at + 8:at + 16] = (0).to_bytes(8, "little")
+    elif fault == "rtype":
+        data[at + 1] = 1
+    elif fault == "undefined ts_event":
+        data[at + 8:at + 16] = (2**64 - 1).to_bytes(8, "little")
+    elif fault == "price beyond 2**53":  # a trade's price, an OHLCV record's open
+        data[at + 16:at + 24] = (2**53 + 1).to_bytes(8, "little")
+    (tmp_path / "f.dbn").write_bytes(bytes(data))
+    return tmp_path / "f.dbn", head
 
-    rows = [(1, 10), (2, 5), (1, 20), (2, 4)]  # instrument 2 steps back at record 3; the file as a whole too
-    data = _metadata("ohlcv-1s") + b"".join(bytes(dbn.OHLCVMsg(dbn.RType.OHLCV_1S, 1, i, ts, 5, 5, 5, 5, 1))
-                                            for i, ts in rows)
-    (tmp_path / "o.dbn").write_bytes(data)
-    with pytest.raises(MarketDataError, match="record 3 has ts_event 4, earlier than record 1's 5"):
-        read_bars_by_instrument(tmp_path / "o.dbn")
 
-
-
-def test_a_zstd_frames_content_size_sizes_the_columns_and_a_larger_claim_is_capped(tmp_path):
+@pytest.mark.parametrize("schema", ["trades", "ohlcv-1s"])
+@pytest.mark.parametrize(("fault", "message"), [
+    ("out of time order", r"f\.dbn: records out of time order: record 25 has ts_event 0, earlier than record 24's"),
+    ("second instrument", r"f\.dbn: holds instruments \[1, 7\]; choose one with instrument_id"),
+    ("rtype", r"f\.dbn: record 25 has length (48|56) bytes and rtype 1; a (trades|ohlcv-1s) file holds"),
+    ("undefined ts_event", r"f\.dbn: record 25 has an undefined ts_event"),
+    ("price beyond 2**53", r"f\.dbn: field '(price|open)': prices: fixed-point magnitudes up to 2\*\*53"),
+])
+def test_a_faulty_file_gets_the_same_error_on_either_path(tmp_path, numpy_path, schema, fault, message):
+    """The compiled passes leave a chunk they would refuse to the NumPy path, whose error names it."""
     from portable_ssm.market import MarketDataError
-    from portable_ssm.market.dbn import MAX_ZSTD_RATIO, record_capacity
 
-    records = _records("ohlcv-1s", 300, seed=4)
-    data = _metadata("ohlcv-1s") + b"".join(bytes(r) for r in records)
-    for name, sized in (("sized", True), ("unsized", False)):
-        path = tmp_path / f"{name}.dbn.zst"
-        path.write_bytes(zstandard.ZstdCompressor(write_content_size=sized).compress(data))
-        assert record_capacity(path) == ((len(data) // 56 if sized else 0), False)  # a hint (header included)
-        np.testing.assert_array_equal(read_dbn_columns(path, instrument_id=2)[1]["open"],
-                                      _reference(records, "ohlcv-1s", 2)["open"])
-    # 10^5 zero records compress far beyond the ratio trusted: the hint is capped by the file's size
-    path = tmp_path / "zeros.dbn.zst"
-    path.write_bytes(zstandard.ZstdCompressor().compress(data + bytes(56 * 10**5)))
-    assert record_capacity(path) == (path.stat().st_size * MAX_ZSTD_RATIO // 56, False)
-    assert record_capacity(path)[0] < 10**5
-    with pytest.raises(MarketDataError, match="record 300 has length 0 bytes"):
-        read_dbn_columns(path)
+    path, _ = _faulty_file(tmp_path, fault, schema)
+    for chunk in (16, 1 << 18):
+        with pytest.raises(MarketDataError, match=message):
+            read_bars(path, interval_ns=1_000_000_000, chunk_records=chunk)
 
 
-def test_a_zstd_stream_without_its_size_grows_its_columns_by_a_fixed_step_and_reads_every_record(tmp_path,
-                                                                                                monkeypatch):
-    """Past its size hint the columns grow by GROW_RECORDS, not doubling (``resize`` zero-fills what it
-    adds, so a doubling made up to the output's size resident again); the records are all there."""
-    from portable_ssm.market import bars as bars_module
+def test_the_compiled_passes_leave_a_chunk_they_refuse_and_the_state_untouched(tmp_path):
+    from portable_ssm.backends.numpy import kernels
+    from portable_ssm.market import layout
 
-    records = _records("ohlcv-1s", 300, seed=5)
-    path = tmp_path / "streamed.dbn.zst"
-    path.write_bytes(zstandard.ZstdCompressor(write_content_size=False).compress(
-        _metadata("ohlcv-1s") + b"".join(bytes(r) for r in records)))
-    monkeypatch.setattr(bars_module, "GROW_RECORDS", 5)
-    seen, real = [], bars_module._Columns.add
-    monkeypatch.setattr(bars_module._Columns, "add",
-                        lambda self, c: real(self, c) or seen.append((self.n, self.capacity)))
-    for instrument in (1, 2):
-        seen.clear()
-        columns = read_dbn_columns(path, instrument_id=instrument, chunk_records=16)[1]
-        assert len(seen) > 5 and all(capacity <= n + 5 for n, capacity in seen[1:])  # a step past at most
-        want = _reference(records, "ohlcv-1s", instrument)
-        for name, values in want.items():
-            np.testing.assert_array_equal(columns[name], values, err_msg=f"{instrument} {name}")
+    if kernels.library() is None:
+        pytest.skip("NumPy's CPU kernels: not usable here (an x86-64 CPU with AVX2 and FMA and a C++ compiler)")
+    for schema in ("trades", "ohlcv-1s"):
+        for fault in ("none", "out of time order", "second instrument", "rtype", "undefined ts_event",
+                      "price beyond 2**53"):
+            path, head = _faulty_file(tmp_path, fault, schema)
+            records = np.frombuffer(path.read_bytes()[head:], dtype=layout(schema))  # [40]
+            state = np.array([-1, -1, -1], dtype=np.int64)
+            if schema == "trades":
+                got = kernels.event_bars(records, 0, False, -1, 0, 1_000_000_000, state)
+            else:
+                out = {name: np.zeros(40, dtype) for name, dtype in kernels.OHLCV_COLUMNS.items()}
+                got = kernels.ohlcv_columns(records, 32, -1, 0, state, out, 0)
+            if fault == "none":
+                assert got is not None and state.tolist() == [1, int(records["ts_event"][-1]), 39]
+            else:
+                assert got is None and state.tolist() == [-1, -1, -1], (schema, fault)

@@ -110,6 +110,44 @@ void bar_features(double o, double h, double lo, double c, double v, double clos
   carried[0] = log_close, carried[1] = log_volume;
 }
 
+// A DBN record's field at byte `at` (records are packed: read by memcpy).
+template <typename T>
+inline T dbn_field(const uint8_t* r, int at) {
+  T v;
+  std::memcpy(&v, r + at, sizeof v);
+  return v;
+}
+constexpr int64_t kUndefPrice = INT64_MAX;  // DBN's UNDEF_PRICE
+// A fixed-point price (1e-9 units) as market/bars.py's fixed_to_float gives it: NaN where undefined,
+// else the int64 exactly as a double (|p| <= 2^53) divided by 1e9, one rounding.
+inline double dbn_price(int64_t p) { return p == kUndefPrice ? NAN : static_cast<double>(p) / 1e9; }
+// A defined price beyond 2^53 units, which fixed_to_float refuses.
+inline bool dbn_beyond(int64_t p) {
+  return p != kUndefPrice && (p > (int64_t{1} << 53) || p < -(int64_t{1} << 53));
+}
+
+// The records of one instrument as market/dbn.py and bars.py select them (check_records, then
+// _Selection): each record's length and rtype, a defined ts_event; the instrument `chosen` (-1:
+// the file's only one, `only` once seen); ts_event never decreasing (`last`, at record
+// `last_index`). take: 1 the record is selected, 0 it is another instrument's, -1 the NumPy path
+// would report it (a bad record, a second instrument where none was chosen, time order). store
+// writes the carried state back for the next chunk: {only, last, last_index}.
+struct DbnSelection {
+  int64_t size, rtype, chosen, only, last, last_index;
+
+  int take(const uint8_t* r, int64_t index) {
+    const int64_t ts = dbn_field<int64_t>(r, 8);  // < 0: an undefined ts_event (a u64 beyond 2^63 - 1)
+    if (r[0] * 4 != size || r[1] != rtype || ts < 0) return -1;
+    const int64_t instrument = dbn_field<uint32_t>(r, 4);
+    if (chosen >= 0 && instrument != chosen) return 0;
+    if (chosen < 0 && only < 0) only = instrument;
+    if ((chosen < 0 && instrument != only) || ts < last) return -1;
+    last = ts, last_index = index;
+    return 1;
+  }
+  void store(int64_t* state) const { state[0] = only, state[1] = last, state[2] = last_index; }
+};
+
 }  // namespace
 
 extern "C" {
@@ -363,6 +401,77 @@ void portable_ssm_decode_hybrid(const int64_t* sizes, void* const* pointers, con
   decode_hybrid_run(f(pointers[0]), d, blocks.data(), count, mambas.data(), n_mamba, f(pointers[1]), lm_head,
                     f(pointers[4]), reals[0], reals[1], static_cast<float>(reals[2]), static_cast<float>(reals[3]), g, p,
                     static_cast<int>(threads));
+}
+
+// One chunk of DBN trade (mbp = 0) or MBP-1 (mbp = 1) records [n] cut into bars of `interval` ns,
+// the arithmetic of market/bars.py's NumPy path (_events, _BarCutter.add) for the records a
+// DbnSelection takes: each selected record's price (trades) or mid (MBP-1; the traded size only
+// where action is 'T'), where defined, joins the bar of ts_event / interval; bars [6, n] (bucket,
+// open, high, low, close, volume) and buckets [n] get the chunk's bars in order. Returns how many,
+// state updated; or -1, state untouched, where the chunk holds anything for the NumPy path to
+// report (DbnSelection's, or a price beyond 2^53 units).
+int64_t portable_ssm_event_bars(const uint8_t* records, int64_t n, int64_t size, int64_t rtype, int64_t mbp,
+                                int64_t chosen, int64_t first, int64_t interval, int64_t* state, int64_t* buckets,
+                                double* bars) {
+  DbnSelection select{size, rtype, chosen, state[0], state[1], state[2]};
+  int64_t k = -1;
+  double* row[6];
+  for (int j = 0; j < 6; ++j) row[j] = bars + j * n;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* r = records + i * size;
+    const int taken = select.take(r, first + i);
+    if (taken < 0) return -1;
+    if (taken == 0) continue;
+    double value, volume = dbn_field<uint32_t>(r, 24);
+    if (mbp) {
+      const int64_t bid = dbn_field<int64_t>(r, 48), ask = dbn_field<int64_t>(r, 56);
+      if (dbn_beyond(bid) || dbn_beyond(ask)) return -1;
+      value = (dbn_price(bid) + dbn_price(ask)) / 2, volume = r[28] == 'T' ? volume : 0.0;
+    } else {
+      const int64_t p = dbn_field<int64_t>(r, 16);
+      if (dbn_beyond(p)) return -1;
+      value = dbn_price(p);
+    }
+    if (std::isnan(value)) continue;
+    const int64_t bucket = dbn_field<int64_t>(r, 8) / interval;
+    if (k < 0 || bucket != buckets[k]) {
+      ++k;
+      buckets[k] = bucket, row[0][k] = static_cast<double>(bucket), row[1][k] = row[2][k] = row[3][k] = value;
+      row[5][k] = 0.0;
+    }
+    row[2][k] = std::max(row[2][k], value), row[3][k] = std::min(row[3][k], value);
+    row[4][k] = value, row[5][k] += volume;
+  }
+  select.store(state);
+  return k + 1;
+}
+
+// One chunk of DBN OHLCV records [n] as market/bars.py's columns (_columns) of the records a
+// DbnSelection takes, written from row `at` of ts [.] (int64), open, high, low, close [.] (float64,
+// UNDEF_PRICE as NaN) and volume [.] (int64), which have room for n more. Returns how many, state
+// updated; or -1, state untouched, where the chunk holds anything for the NumPy path to report
+// (DbnSelection's, or a price beyond 2^53 units).
+int64_t portable_ssm_ohlcv_columns(const uint8_t* records, int64_t n, int64_t size, int64_t rtype, int64_t chosen,
+                                   int64_t first, int64_t* state, int64_t at, int64_t* ts, double* open, double* high,
+                                   double* low, double* close, int64_t* volume) {
+  DbnSelection select{size, rtype, chosen, state[0], state[1], state[2]};
+  double* prices[4] = {open + at, high + at, low + at, close + at};
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* r = records + i * size;
+    const int taken = select.take(r, first + i);
+    if (taken < 0) return -1;
+    if (taken == 0) continue;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t p = dbn_field<int64_t>(r, 16 + 8 * j);
+      if (dbn_beyond(p)) return -1;
+      prices[j][m] = dbn_price(p);
+    }
+    ts[at + m] = dbn_field<int64_t>(r, 8), volume[at + m] = dbn_field<int64_t>(r, 48);
+    ++m;
+  }
+  select.store(state);
+  return m;
 }
 
 }  // extern "C"

@@ -91,8 +91,11 @@ _SIGNATURES = {
     "portable_ssm_decode_hybrid": [_POINTER, _POINTER, _POINTER, _INT],
     "portable_ssm_market_bar": [_POINTER, _POINTER, _INT, _INT, _POINTER],
     "portable_ssm_vnni_usable": [],
+    "portable_ssm_event_bars": [_POINTER, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _POINTER, _POINTER, _POINTER],
+    "portable_ssm_ohlcv_columns": [_POINTER, _INT, _INT, _INT, _INT, _INT, _POINTER, _INT] + [_POINTER] * 6,
 }
-_RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double, "portable_ssm_vnni_usable": _INT}
+_RESTYPES = {"portable_ssm_scan_forward": ctypes.c_double, "portable_ssm_vnni_usable": _INT,
+             "portable_ssm_event_bars": _INT, "portable_ssm_ohlcv_columns": _INT}
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, ctypes.CDLL | None] = {}  # per build (isa): the library or None, after its first attempt
@@ -320,6 +323,49 @@ def masked_softmax(scores: np.ndarray, scale: float, visible: np.ndarray, first:
     lib.portable_ssm_masked_softmax(scores.ctypes.data, rows, cols, scale, visible.ctypes.data, visible.strides[0],
                                     period, first, inv.ctypes.data)
     return inv
+
+
+def event_bars(records: np.ndarray, rtype: int, mbp: bool, chosen: int, first: int, interval: int,
+               state: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """One chunk of DBN trade or MBP-1 ``records [n]`` (``mbp``; the layout of
+    ``portable_ssm.market.dbn``, the first at file index ``first``) cut into bars of ``interval`` ns
+    in one pass: ``(buckets [k] int64, bars [6, k] float64)`` (bucket, open, high, low, close,
+    volume), the arithmetic of ``portable_ssm.market.bars``'s NumPy path bit for bit. ``state``
+    (int64 ``[3]``: the instrument read or -1, the last ts_event read and its index) is read and
+    updated; ``chosen`` the instrument asked for (-1: the file's only one). None, ``state`` as it
+    was, where the kernels are not usable or the chunk holds anything for the NumPy path to report
+    (a bad record, a second instrument, time order, a price beyond 2**53 units)."""
+    lib = library()
+    if lib is None or not records.flags.c_contiguous:
+        return None
+    n = records.shape[0]
+    buckets, bars = np.empty(n, dtype=np.int64), np.empty((6, n))  # [n], [6, n]: at most a bar per record
+    k = lib.portable_ssm_event_bars(records.ctypes.data, n, records.dtype.itemsize, rtype, int(mbp), chosen, first,
+                                    interval, state.ctypes.data, buckets.ctypes.data, bars.ctypes.data)
+    return None if k < 0 else (buckets[:k].copy(), bars[:, :k].copy())  # not views of [n]: bars are kept
+
+
+#: The columns :func:`ohlcv_columns` writes, in its arguments' order, and their dtypes.
+OHLCV_COLUMNS = {"ts_event": np.dtype(np.int64), "open": np.dtype(np.float64), "high": np.dtype(np.float64),
+                 "low": np.dtype(np.float64), "close": np.dtype(np.float64), "volume": np.dtype(np.int64)}
+
+
+def ohlcv_columns(records: np.ndarray, rtype: int, chosen: int, first: int, state: np.ndarray,
+                  out: dict[str, np.ndarray], at: int) -> int | None:
+    """One chunk of DBN OHLCV ``records [n]`` (the first at file index ``first``) as the columns of
+    ``portable_ssm.market.bars`` in one pass, written into ``out`` (:data:`OHLCV_COLUMNS`,
+    contiguous, room for ``n`` rows from row ``at``): how many rows, the NumPy path's values bit
+    for bit. ``state`` and ``chosen`` as :func:`event_bars`'s. None, ``state`` as it was, where the
+    kernels are not usable or the chunk holds anything for the NumPy path to report."""
+    lib = library()
+    n = records.shape[0]
+    if (lib is None or not records.flags.c_contiguous or any(
+            out[name].dtype != dtype or not out[name].flags.c_contiguous or out[name].shape[0] < at + n
+            for name, dtype in OHLCV_COLUMNS.items())):
+        return None
+    m = lib.portable_ssm_ohlcv_columns(records.ctypes.data, n, records.dtype.itemsize, rtype, chosen, first,
+                                       state.ctypes.data, at, *(out[name].ctypes.data for name in OHLCV_COLUMNS))
+    return None if m < 0 else m
 
 
 def vnni_products() -> bool:
