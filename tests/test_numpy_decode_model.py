@@ -71,21 +71,23 @@ def test_numpy_whole_model_step_equals_the_array_api_step_for_every_weight_kind(
         assert new.shape == ref.shape and _rel(new, ref) < 2e-6
 
 
-def test_only_a_market_plan_keeps_tiles_and_a_minus_128_keeps_the_widening_kernel(library):
-    """``tiles=True`` (a market stream's plan) keeps float32 and bfloat16 weights, and int8 ones
-    holding no -128, in tile order, which the rows step reads (int8 through VNNI, which negates
-    weight bytes: -128 has no byte negation); a weight with a -128 stays plain int8; every plan's
-    step equals the row kernel's within float32 rounding."""
+def test_only_a_market_plan_keeps_tiles_and_int8_goes_through_vnni_only_where_it_can(library):
+    """``tiles=True`` (a market stream's plan) keeps every weight in tile order, which the rows step
+    reads: int8 through VNNI where the library has it and the weight holds no -128 (VNNI negates
+    weight bytes: -128 has no byte negation), any other int8 widened from tiles as float32 and
+    bfloat16 are; every plan's step equals the row kernel's within float32 rounding."""
+    from portable_ssm.backends.numpy import kernels
     from portable_ssm.backends.numpy.rows import RowsStep
 
     config, params, token, state = _model("int8")
+    int8 = decode.INT8_SYMMETRIC if kernels.vnni_products() else decode.INT8_TILES
     assert decode.plan(params, config).sizes[6 + 4:6 + 6].tolist() == [1, 1]  # layer 0's in_proj, out_proj
-    assert decode.plan(params, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [decode.INT8_SYMMETRIC] * 2
+    assert decode.plan(params, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [int8] * 2
     name = "layers.0.mixer.in_proj.weight"
     data = params[name].data.copy()
     data[3, 5] = -128
     odd = {**params, name: replace(params[name], data=data)}
-    assert decode.plan(odd, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [1, decode.INT8_SYMMETRIC]
+    assert decode.plan(odd, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [decode.INT8_TILES, int8]
     floats, halves = _model("float32")[1], _model("bfloat16")[1]
     assert decode.plan(floats, config).sizes[6 + 4:6 + 6].tolist() == [0, 0]
     assert decode.plan(floats, config, tiles=True).sizes[6 + 4:6 + 6].tolist() == [decode.FLOAT32_TILES] * 2
@@ -100,18 +102,17 @@ def test_only_a_market_plan_keeps_tiles_and_a_minus_128_keeps_the_widening_kerne
         assert _rel(got[0], want[0]) < 2e-6
 
 
-@pytest.mark.parametrize("dtype", [np.int8, np.float32, np.uint16])
+@pytest.mark.parametrize(("dtype", "g"), [(np.int8, 4), (np.int8, 1), (np.float32, 1), (np.uint16, 1)])
 @pytest.mark.parametrize(("out", "n"), [(1, 1), (37, 9), (64, 8), (130, 5)])
-def test_a_tiled_weight_holds_its_rows_then_its_tiles_in_the_documented_order(out, n, dtype):
+def test_a_tiled_weight_holds_its_rows_then_its_tiles_in_the_documented_order(out, n, dtype, g):
     """A market plan's weight data (shared.h): the rows, zeros to 64 bytes, then per 64 rows a tile
-    of B blocks of 16 rows as [groups][B][16][g] (g = 4 int8 columns, else 1); every weight at its
-    place, zeros elsewhere."""
+    of B blocks of 16 rows as [groups][B][16][g] (g = 4 int8 columns for VNNI, else 1); every weight
+    at its place, zeros elsewhere."""
     rng = np.random.default_rng(out + n)
     w = rng.integers(-127 if dtype == np.int8 else 0, 128, (out, n)).astype(dtype)
-    data = decode.with_tiles(w)
+    data = decode.with_tiles(w, g)
     size = np.dtype(dtype).itemsize
     at = -(-out * n * size // 64) * 64 // size  # tiles_at, in elements
-    g = 4 if dtype == np.int8 else 1
     groups = -(-n // g)
     assert data.dtype == dtype and data.size == at + -(-out // 16) * 16 * groups * g
     np.testing.assert_array_equal(data[:out * n], w.reshape(-1))

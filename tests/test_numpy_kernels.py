@@ -396,11 +396,12 @@ def test_quantized_matmul_takes_the_row_product_for_one_row_and_agrees_with_the_
 def _products(lib, weight: np.ndarray, x: np.ndarray, scale: np.ndarray | None, kind: int,
               begin: int = 0) -> np.ndarray:
     """The library's rows ``[begin, out)`` of ``weight [out, n] @ x [n]`` (times ``scale``) for the
-    storage ``kind`` (3 to 5: the weight's rows, then its tiles: :func:`decode.with_tiles`), -7 before."""
+    storage ``kind`` (3 to 6: the weight's rows, then its tiles: :func:`decode.with_tiles`), -7 before."""
     from portable_ssm.backends.numpy import decode
 
     out, n = weight.shape
-    data = decode.with_tiles(weight) if kind >= decode.INT8_SYMMETRIC else weight
+    g = 4 if kind == decode.INT8_SYMMETRIC else 1
+    data = decode.with_tiles(weight, g) if kind >= decode.INT8_SYMMETRIC else weight
     y = np.full(out, -7.0, dtype=np.float32)
     lib.portable_ssm_row_product(data.ctypes.data, kind, x.ctypes.data, None if scale is None else scale.ctypes.data,
                                  y.ctypes.data, out, n, begin, out)
@@ -436,21 +437,23 @@ def test_int8_products_of_symmetric_weights_agree_with_float64_on_every_build(li
                 assert (part[:begin] == -7).all()
 
 
-@pytest.mark.parametrize("storage", ["float32", "bfloat16"])
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize(("out", "n"), [(1, 1), (7, 63), (37, 770), (2096, 256), (256, 1024)])
 def test_tile_products_agree_with_float64_and_do_not_depend_on_the_rows_sharing_the_call(library, out, n, storage):
-    """Kinds 4 and 5 (a market plan's float32 and bfloat16 weights, read from their tiles) within a
-    float32 dot product's rounding of the float64 product of the stored values (n·2^-24·Σ|w||x|),
-    the scale applied, tails and all; a row's output the same float whichever rows share the call;
-    NaN and inf as in the row kernel."""
+    """Kinds 4 to 6 (a market plan's float32, bfloat16 and int8 weights widened from their tiles)
+    within a float32 dot product's rounding of the float64 product of the stored values
+    (n·2^-24·Σ|w||x|), the scale applied, tails and all, -128 included; a row's output the same float
+    whichever rows share the call; NaN and inf as in the row kernel."""
     from portable_ssm.backends.numpy.quant import bfloat16_bits, widen_rows
 
     rng = np.random.default_rng(out + n)
     weight = rng.standard_normal((out, n)).astype(np.float32)
-    kind, rows_kind = (4, 0) if storage == "float32" else (5, 2)
+    kind, rows_kind = {"float32": (4, 0), "bfloat16": (5, 2), "int8": (6, 1)}[storage]
     if storage == "bfloat16":
         weight = bfloat16_bits(weight)
-    values = weight if storage == "float32" else widen_rows(weight, None, 0, out)  # the stored values, float32
+    if storage == "int8":
+        weight = rng.integers(-128, 128, (out, n), dtype=np.int8)
+    values = weight.astype(np.float32) if storage != "bfloat16" else widen_rows(weight, None, 0, out)  # stored values
     scale = (rng.random(out) + 0.5).astype(np.float32)
     x = rng.standard_normal(n).astype(np.float32)
     ref = (values.astype(np.float64) @ x.astype(np.float64)) * scale

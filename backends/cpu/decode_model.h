@@ -23,10 +23,12 @@ namespace {
 
 // A weight's storage as the row kernel reads it. A market plan's (shared.h's tiles after the rows;
 // only whole weights, which rows_of does not split): kWeightI8Sym, int8 known to hold no -128 (the
-// caller checked), which int8_products may take through VNNI, kWeightF32Tiles, float32, and
-// kWeightBF16Tiles, bfloat16 bits.
+// caller checked), which int8_products may take through VNNI; kWeightF32Tiles, float32,
+// kWeightBF16Tiles, bfloat16 bits, and kWeightI8Tiles, int8 (a CPU without VNNI, or a -128), all
+// three widened from their tiles.
 enum WeightKind : int64_t {
-  kWeightF32 = 0, kWeightI8 = 1, kWeightBF16 = 2, kWeightI8Sym = 3, kWeightF32Tiles = 4, kWeightBF16Tiles = 5
+  kWeightF32 = 0, kWeightI8 = 1, kWeightBF16 = 2, kWeightI8Sym = 3, kWeightF32Tiles = 4, kWeightBF16Tiles = 5,
+  kWeightI8Tiles = 6
 };
 
 // A weight [out, in] as the row kernel reads it: float32, int8 (times a float32 scale per row, or
@@ -55,6 +57,10 @@ inline void row_share(const RowWeight& w, const float* x, float* y, int64_t begi
     case kWeightBF16Tiles:
       widened_tile_products(static_cast<const uint16_t*>(w.data) + tiles_at(w.out, w.in, 2) / 2, x, w.scale, y,
                             w.out, w.in, begin, end);
+      break;
+    case kWeightI8Tiles:
+      widened_tile_products(static_cast<const int8_t*>(w.data) + tiles_at(w.out, w.in, 1), x, w.scale, y, w.out,
+                            w.in, begin, end);
       break;
     case kWeightI8Sym:
       if (digits != nullptr) {
@@ -408,7 +414,8 @@ namespace {
 // int8 rows with no -128 through VNNI: each x row's byte digits made once, not once per block of rows.
 inline void tiled_products(const RowWeight& w, const float* x, int64_t b, float* y) {
   const int64_t tile = std::max<int64_t>(8, (int64_t{256} << 10) / (4 * w.in));  // x rows in 256 KiB
-  const bool int8 = w.kind == kWeightI8Sym, tiles = int8 || w.kind == kWeightF32Tiles || w.kind == kWeightBF16Tiles;
+  const bool int8 = w.kind == kWeightI8Sym,
+             tiles = int8 || w.kind == kWeightF32Tiles || w.kind == kWeightBF16Tiles || w.kind == kWeightI8Tiles;
   thread_local std::vector<ByteRow> digits;  // kept by the thread between calls, as decode_rows_run's scratch
   if (int8 && static_cast<int64_t>(digits.size()) < b) digits.resize(static_cast<size_t>(b));
   for (int64_t j = 0; int8 && j < b; ++j) digits[j].make(x + j * w.in, w.in);

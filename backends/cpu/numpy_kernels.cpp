@@ -230,8 +230,8 @@ void portable_ssm_masked_softmax(float* s, int64_t rows, int64_t cols, float sca
 
 // Rows [begin, end) of y [rows] = (w [rows, n] @ x [n]) · scale [rows] (scale null: none) by the
 // step's row kernel (row_share), w's kind a WeightKind: 0 float32, 1 int8, 2 bfloat16 bits
-// (uint16), 3 int8 with no -128 (through VNNI where usable), 4 float32 and 5 bfloat16 bits, each
-// of the last three its rows then its tiles (a market plan's); all contiguous.
+// (uint16), 3 int8 with no -128 (through VNNI where usable), 4 float32, 5 bfloat16 bits and 6
+// int8, each of the last four its rows then its tiles (a market plan's); all contiguous.
 void portable_ssm_row_product(const void* w, int64_t kind, const float* x, const float* scale, float* y, int64_t rows,
                               int64_t n, int64_t begin, int64_t end) {
   ByteRow digits;

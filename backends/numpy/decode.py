@@ -36,13 +36,14 @@ from .threads import workers
 WEIGHT_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int8): 1, np.dtype(np.uint16): 2}
 #: The kinds of a market stream's plan (:func:`plan` with ``tiles=True``): the rows, then the same
 #: weights in tile order (:func:`with_tiles`), which its step's products read. INT8_SYMMETRIC: int8
-#: holding no -128 (every int8 weight :func:`portable_ssm.quantize` makes), through AVX-512 VNNI
-#: where the CPU has it (``digit_products`` of shared.h); FLOAT32_TILES and BFLOAT16_TILES: float32
-#: and bfloat16 bits (``widened_tile_products``).
-INT8_SYMMETRIC, FLOAT32_TILES, BFLOAT16_TILES = 3, 4, 5
-#: A market plan's kind of each storage (:func:`with_tiles`).
-_TILED_KINDS = {np.dtype(np.int8): INT8_SYMMETRIC, np.dtype(np.float32): FLOAT32_TILES,
-                np.dtype(np.uint16): BFLOAT16_TILES}
+#: holding no -128 (every int8 weight :func:`portable_ssm.quantize` makes) where the library's int8
+#: products go through AVX-512 VNNI (``digit_products`` of shared.h, :func:`.kernels.vnni_products`);
+#: FLOAT32_TILES, BFLOAT16_TILES and INT8_TILES: float32, bfloat16 bits and any other int8, widened
+#: from their tiles (``widened_tile_products``; on a CPU without VNNI an int8 bar's products used
+#: to take the row kernel, one row at a time: ``benchmarks/MARKET.md``, 2026-12-07 16:40 UTC).
+INT8_SYMMETRIC, FLOAT32_TILES, BFLOAT16_TILES, INT8_TILES = 3, 4, 5, 6
+#: A market plan's kind of each storage but int8 (:func:`_tiled_kind`).
+_TILED_KINDS = {np.dtype(np.float32): FLOAT32_TILES, np.dtype(np.uint16): BFLOAT16_TILES}
 #: Entries of the tables before the layers' and per layer.
 _HEAD_SIZES, _LAYER_SIZES, _HEAD_POINTERS, _LAYER_POINTERS = 6, 8, 5, 15
 #: The least weight bytes a thread of the step reads: about 0.1 ms at a core's streaming rate.
@@ -84,8 +85,7 @@ def _weight(w: Any, name: str, shape: tuple[int, ...], tiles: bool = False) -> t
         np.ndarray, int, np.ndarray | None]:
     """``(data, kind, scale or None)`` of a float32, int8 or bfloat16-bits weight ``shape`` (``[out,
     in]``, or a stack ``[E, out, in]`` of experts' with a scale per row of each: ``[E, out]``);
-    ``tiles``: float32 and bfloat16 data, and int8 data holding no -128, get their tiled kind
-    (:data:`FLOAT32_TILES`, :data:`BFLOAT16_TILES`, :data:`INT8_SYMMETRIC`: :func:`with_tiles`)."""
+    ``tiles``: a weight ``[out, in]`` gets its tiled kind (:func:`_tiled_kind`, :func:`with_tiles`)."""
     data, scale = (w.data, w.scale) if isinstance(w, QuantizedWeight) else (w, None)
     kind = WEIGHT_KINDS.get(getattr(data, "dtype", None))
     if kind is None or not _fits(data) or data.shape != shape:
@@ -94,18 +94,26 @@ def _weight(w: Any, name: str, shape: tuple[int, ...], tiles: bool = False) -> t
                          f"{list(shape)}, got {got}")
     if scale is not None:
         _float32(scale, f"{name}'s scale", shape[:-1])
-    if tiles and len(shape) == 2 and data.size and (data.dtype != np.int8 or data.min() > -128):
-        return with_tiles(data), _TILED_KINDS[data.dtype], scale
+    if tiles and len(shape) == 2 and data.size:
+        tiled = _tiled_kind(data)
+        return with_tiles(data, 4 if tiled == INT8_SYMMETRIC else 1), tiled, scale
     return data, kind, scale
 
 
-def row_tiles(w: np.ndarray) -> np.ndarray:
+def _tiled_kind(data: np.ndarray) -> int:
+    """A market plan's kind of a weight's data: int8 through VNNI where the library has it and the
+    weight holds no -128 (VNNI negates weight bytes), every other int8 widened from its tiles."""
+    if data.dtype != np.int8:
+        return _TILED_KINDS[data.dtype]
+    return INT8_SYMMETRIC if kernels.vnni_products() and data.min() > -128 else INT8_TILES
+
+
+def row_tiles(w: np.ndarray, g: int) -> np.ndarray:
     """``w [out, n]`` (int8, float32 or bfloat16 bits) in the order a market step's products read it
     (shared.h): for each 64 rows, a tile of ``B`` blocks of 16 rows as ``[groups][B][16][g]``, a
-    group being ``g`` = 4 int8 columns (one VNNI lane's bytes) or 1 column; zero past ``n`` and
-    ``out``."""
+    group being ``g`` columns (4 int8 ones for :data:`INT8_SYMMETRIC`: one VNNI lane's bytes; else
+    1); zero past ``n`` and ``out``."""
     out, n = w.shape
-    g = 4 if w.dtype == np.int8 else 1
     blocks, groups = -(-out // 16), -(-n // g)
     padded = np.zeros((blocks * 16, groups * g), w.dtype)
     padded[:out, :n] = w
@@ -116,12 +124,12 @@ def row_tiles(w: np.ndarray) -> np.ndarray:
     return np.concatenate([full.reshape(-1), last.reshape(-1)])
 
 
-def with_tiles(w: np.ndarray) -> np.ndarray:
-    """A market plan's weight data from ``w [out, n]`` (int8 holding no -128, float32 or bfloat16
-    bits): its rows, zeros to a multiple of 64 bytes (``tiles_at`` of shared.h), then
-    :func:`row_tiles`."""
+def with_tiles(w: np.ndarray, g: int) -> np.ndarray:
+    """A market plan's weight data from ``w [out, n]`` (int8, float32 or bfloat16 bits): its rows,
+    zeros to a multiple of 64 bytes (``tiles_at`` of shared.h), then :func:`row_tiles` of groups of
+    ``g`` columns."""
     rows = w.reshape(-1)
-    return np.concatenate([rows, np.zeros(-rows.nbytes % 64 // w.itemsize, w.dtype), row_tiles(w)])
+    return np.concatenate([rows, np.zeros(-rows.nbytes % 64 // w.itemsize, w.dtype), row_tiles(w, g)])
 
 
 def _address(a: np.ndarray | None) -> int:
@@ -181,8 +189,8 @@ def head_row(params: dict[str, Any], weight: Any, d: int, tiles: bool = False) -
 def plan(params: dict[str, Any], config: Mamba2Config, *, tiles: bool = False) -> Plan:
     """``params`` of ``config``'s language model checked and gathered for :func:`decode_model`: the
     variant the kernel computes (in_proj's output ``[z, xBC, dt]``, no projection biases, float32
-    arrays; weights float32, int8 with row scales or bfloat16 bits). ``tiles``: the weights (int8 ones
-    where they hold no -128) are kept a second time in tile order (:func:`with_tiles`): a market
+    arrays; weights float32, int8 with row scales or bfloat16 bits). ``tiles``: the weights are kept a
+    second time in tile order (:func:`with_tiles`, of their kind :func:`_tiled_kind`): a market
     stream's plan, whose weights stay in the caches between bars and whose step's products read
     the tiles. ValueError naming the first array or setting that does not fit."""
     c = config

@@ -19,6 +19,10 @@ path widens the weight tile by tile into float32 and multiplies those: the 130m 
 sgemv, which reads them about as fast as that kernel. The whole batch-1 step of a language model
 goes through ``portable_ssm_decode_model`` (``decode_model_run`` of ``backends/cpu/decode_model.h``,
 torch's whole-model step, one OpenMP region of :func:`.threads.workers` threads; :mod:`.decode`).
+The market reader's chunks of DBN records take one pass each where NumPy's takes a dozen:
+:func:`ohlcv_columns` writes an OHLCV chunk's columns in place and :func:`event_bars` cuts trades or
+MBP-1 into bars, each making the reader's checks and leaving any chunk it would refuse to NumPy's
+path (``portable_ssm.market.bars``), which names the record.
 
 The library is compiled on first use with the C++ compiler (``$CXX``, else ``c++``, ``g++`` or
 ``clang++``; a few seconds, once) and cached as ``numpy_kernels_<hash>.so`` under
