@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -122,6 +122,10 @@ def _as_instrument(instrument_id: int | None) -> int | None:
     return None if instrument_id is None else check_int("instrument_id", instrument_id, minimum=0, maximum=2**32 - 1)
 
 
+#: A compiled pass over one unchecked chunk: ``(schema, first, records, chosen, state) -> taken``.
+Compiled = Callable[[str, int, np.ndarray, int, np.ndarray], bool]
+
+
 class _Selection:
     """The records of one instrument, chunk by chunk: ``instrument_id``'s, or the file's only one's
     (MarketDataError when several are there and none is chosen), checked for time order."""
@@ -144,7 +148,6 @@ class _Selection:
         self.order.check(records["ts_event"].view(np.int64), index)
         return records
 
-
     def state(self) -> np.ndarray:
         """What is carried from chunk to chunk, as the compiled passes read and update it: int64
         ``[3]``, the instrument read (-1: none yet or one chosen), the last ts_event and its index."""
@@ -156,7 +159,7 @@ class _Selection:
         self.only = None if state[0] < 0 else int(state[0])
         self.order.last, self.order.last_index = int(state[1]), int(state[2])
 
-    def chunks(self, chunk_records: int, compiled) -> Iterator[tuple[str, np.ndarray]]:
+    def chunks(self, chunk_records: int, compiled: Compiled | None) -> Iterator[tuple[str, np.ndarray]]:
         """``(schema, records)`` of the instrument for each chunk of the file that ``compiled``
         (``compiled(schema, first, records, chosen, state) -> bool``, or None; chosen: the
         instrument asked for or -1) did not take: it reads the unchecked chunk in one pass and
@@ -380,7 +383,7 @@ def read_bars(path: str | os.PathLike, *, instrument_id: int | None = None, inte
     if interval_ns is None:
         raise ValueError(f"interval_ns: {path} holds {schema} events; give a bar length (e.g. 1_000_000_000)")
     cutter = _BarCutter(interval_ns)
-    for schema, records in _Selection(path, instrument_id).chunks(chunk_records, cutter.compiled):
+    for _, records in _Selection(path, instrument_id).chunks(chunk_records, cutter.compiled):
         cutter.add(*_events(path, schema, records))
     return cutter.bars(path)
 
