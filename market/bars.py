@@ -22,17 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._checks import MarketDataError, as_path, check_choice, check_int, open_regular
-from .dbn import (
-    OHLCV_SCHEMAS,
-    RTYPES,
-    TimeOrder,
-    check_records,
-    iter_records,
-    layout,
-    read_schema,
-    record_capacity,
-    unchecked_records,
-)
+from .dbn import OHLCV_SCHEMAS, RTYPES, DbnFile, TimeOrder, check_records, layout
 
 PRICE_SCALE = 1_000_000_000  # DBN fixed-point: 1 unit = 1e-9
 UNDEF_PRICE = 2**63 - 1
@@ -159,20 +149,19 @@ class _Selection:
         self.only = None if state[0] < 0 else int(state[0])
         self.order.last, self.order.last_index = int(state[1]), int(state[2])
 
-    def chunks(self, chunk_records: int, compiled: Compiled | None) -> Iterator[tuple[str, np.ndarray]]:
-        """``(schema, records)`` of the instrument for each chunk of the file that ``compiled``
-        (``compiled(schema, first, records, chosen, state) -> bool``, or None; chosen: the
-        instrument asked for or -1) did not take: it reads the unchecked chunk in one pass and
-        updates ``state`` where it takes it; the rest are checked and selected here, so the errors
-        are the NumPy path's."""
+    def chunks(self, dbn: DbnFile, chunk_records: int, compiled: Compiled | None) -> Iterator[np.ndarray]:
+        """The instrument's records of each chunk of ``dbn`` that ``compiled`` (``compiled(schema,
+        first, records, chosen, state) -> bool``, or None; chosen: the instrument asked for or -1)
+        did not take: it reads the unchecked chunk in one pass and updates ``state`` where it takes
+        it; the rest are checked and selected here, so the errors are the NumPy path's."""
         chosen = -1 if self.instrument_id is None else self.instrument_id
-        for schema, first, records in unchecked_records(self.path, chunk_records=chunk_records):
+        for first, records in dbn.records(chunk_records):
             state = self.state()
-            if compiled is not None and compiled(schema, first, records, chosen, state):
+            if compiled is not None and compiled(dbn.schema, first, records, chosen, state):
                 self.carry(state)
                 continue
-            check_records(records, schema, first, self.path)
-            yield schema, self(first, records)
+            check_records(records, dbn.schema, first, self.path)
+            yield self(first, records)
 
 
 def _file_prices(path: str, records: np.ndarray, name: str) -> np.ndarray:
@@ -279,14 +268,21 @@ def read_dbn_columns(path: str | os.PathLike, *, instrument_id: int | None = Non
     malformed, truncated or out of time order (see :mod:`portable_ssm.market.dbn`)."""
     path = os.fspath(as_path("path", path))
     instrument_id = _as_instrument(instrument_id)
-    schema, sink = read_schema(path), _Columns(*record_capacity(path))
-    compiled = sink.compiled if schema in OHLCV_SCHEMAS else None
-    for _, records in _Selection(path, instrument_id).chunks(chunk_records, compiled):
-        sink.add(_columns(path, schema, records))
-    columns = sink.result(path, schema)
+    chunk_records = check_int("chunk_records", chunk_records, minimum=1)
+    with DbnFile(path) as dbn:
+        return dbn.schema, _read_columns(dbn, instrument_id, chunk_records)
+
+
+def _read_columns(dbn: DbnFile, instrument_id: int | None, chunk_records: int) -> dict[str, np.ndarray]:
+    """:func:`read_dbn_columns` of an open file."""
+    sink = _Columns(*dbn.capacity())
+    compiled = sink.compiled if dbn.schema in OHLCV_SCHEMAS else None
+    for records in _Selection(dbn.path, instrument_id).chunks(dbn, chunk_records, compiled):
+        sink.add(_columns(dbn.path, dbn.schema, records))
+    columns = sink.result(dbn.path, dbn.schema)
     if columns["ts_event"].shape[0] == 0 and instrument_id is not None:
-        raise MarketDataError(f"{path}: holds no record of instrument_id {instrument_id}")
-    return schema, columns
+        raise MarketDataError(f"{dbn.path}: holds no record of instrument_id {instrument_id}")
+    return columns
 
 
 class _BarCutter:
@@ -375,25 +371,26 @@ def read_bars(path: str | os.PathLike, *, instrument_id: int | None = None, inte
     path = os.fspath(as_path("path", path))
     instrument_id = _as_instrument(instrument_id)
     interval_ns = None if interval_ns is None else check_int("interval_ns", interval_ns, minimum=1)
-    schema = read_schema(path)
-    if schema in OHLCV_SCHEMAS:
-        c = read_dbn_columns(path, instrument_id=instrument_id, chunk_records=chunk_records)[1]
-        return Bars(ts_event=c["ts_event"], open=c["open"], high=c["high"], low=c["low"], close=c["close"],
-                    volume=c["volume"].astype(np.float64))
-    if interval_ns is None:
-        raise ValueError(f"interval_ns: {path} holds {schema} events; give a bar length (e.g. 1_000_000_000)")
-    cutter = _BarCutter(interval_ns)
-    for _, records in _Selection(path, instrument_id).chunks(chunk_records, cutter.compiled):
-        cutter.add(*_events(path, schema, records))
+    chunk_records = check_int("chunk_records", chunk_records, minimum=1)
+    with DbnFile(path) as dbn:
+        if dbn.schema in OHLCV_SCHEMAS:
+            c = _read_columns(dbn, instrument_id, chunk_records)
+            return Bars(ts_event=c["ts_event"], open=c["open"], high=c["high"], low=c["low"], close=c["close"],
+                        volume=c["volume"].astype(np.float64))
+        if interval_ns is None:
+            raise ValueError(f"interval_ns: {path} holds {dbn.schema} events; give a bar length (e.g. 1_000_000_000)")
+        cutter = _BarCutter(interval_ns)
+        for records in _Selection(path, instrument_id).chunks(dbn, chunk_records, cutter.compiled):
+            cutter.add(*_events(path, dbn.schema, records))
     return cutter.bars(path)
 
 
-def _by_instrument(path: str, wanted: np.ndarray | None,
-                   chunk_records: int) -> Iterator[tuple[str, int, np.ndarray]]:
-    """``(schema, instrument_id, records)`` for each instrument in each chunk (all, or those in
-    ``wanted``), each instrument's records checked for time order on their own."""
+def _by_instrument(dbn: DbnFile, wanted: np.ndarray | None, chunk_records: int) -> Iterator[tuple[int, np.ndarray]]:
+    """``(instrument_id, records)`` for each instrument in each chunk of ``dbn`` (all, or those in
+    ``wanted``), each chunk's records checked, each instrument's for time order on their own."""
     orders: dict[int, TimeOrder] = {}
-    for schema, first, records in iter_records(path, chunk_records=chunk_records):
+    for first, records in dbn.records(chunk_records):
+        check_records(records, dbn.schema, first, dbn.path)
         ids = records["instrument_id"]
         keep = np.arange(ids.shape[0]) if wanted is None else np.flatnonzero(np.isin(ids, wanted))
         keep = keep[np.argsort(ids[keep], kind="stable")]  # grouped by instrument, file order within each
@@ -402,8 +399,8 @@ def _by_instrument(path: str, wanted: np.ndarray | None,
             index = keep[start:stop]
             instrument = int(ids[index[0]])
             mine = records[index]
-            orders.setdefault(instrument, TimeOrder(path)).check(mine["ts_event"].view(np.int64), first + index)
-            yield schema, instrument, mine
+            orders.setdefault(instrument, TimeOrder(dbn.path)).check(mine["ts_event"].view(np.int64), first + index)
+            yield instrument, mine
 
 
 def read_bars_by_instrument(path: str | os.PathLike, *, instrument_ids: Any = None, interval_ns: int | None = None,
@@ -417,16 +414,18 @@ def read_bars_by_instrument(path: str | os.PathLike, *, instrument_ids: Any = No
     if instrument_ids is not None:
         wanted = np.array([_as_instrument(i) for i in instrument_ids], dtype=np.int64)
     interval_ns = None if interval_ns is None else check_int("interval_ns", interval_ns, minimum=1)
-    schema = read_schema(path)
-    if schema not in OHLCV_SCHEMAS and interval_ns is None:
-        raise ValueError(f"interval_ns: {path} holds {schema} events; give a bar length (e.g. 1_000_000_000)")
+    chunk_records = check_int("chunk_records", chunk_records, minimum=1)
     pieces: dict[int, list[dict[str, np.ndarray]]] = {}
     cutters: dict[int, _BarCutter] = {}
-    for schema, instrument, records in _by_instrument(path, wanted, chunk_records):
-        if schema in OHLCV_SCHEMAS:
-            pieces.setdefault(instrument, []).append(_columns(path, schema, records))
-        else:
-            cutters.setdefault(instrument, _BarCutter(interval_ns)).add(*_events(path, schema, records))
+    with DbnFile(path) as dbn:
+        schema = dbn.schema
+        if schema not in OHLCV_SCHEMAS and interval_ns is None:
+            raise ValueError(f"interval_ns: {path} holds {schema} events; give a bar length (e.g. 1_000_000_000)")
+        for instrument, records in _by_instrument(dbn, wanted, chunk_records):
+            if schema in OHLCV_SCHEMAS:
+                pieces.setdefault(instrument, []).append(_columns(path, schema, records))
+            else:
+                cutters.setdefault(instrument, _BarCutter(interval_ns)).add(*_events(path, schema, records))
     if schema not in OHLCV_SCHEMAS:
         return {i: cutters[i].bars(path) for i in sorted(cutters)}
     out = {}

@@ -179,34 +179,64 @@ def iter_records(path: str | os.PathLike, *,
     array of :func:`layout` that is valid until the next chunk is read (plain and zstd files are
     read into one reused buffer: copy what you keep). Checks each record's length, rtype and ts_event (see
     the module docstring); the order of ts_event is the caller's to check (:class:`TimeOrder`)."""
-    for schema, first, records in unchecked_records(path, chunk_records=chunk_records):
-        check_records(records, schema, first, path)
-        yield schema, first, records
-
-
-def unchecked_records(path: str | os.PathLike, *,
-                      chunk_records: int = CHUNK_RECORDS) -> Iterator[tuple[str, int, np.ndarray]]:
-    """:func:`iter_records` without the records' checks, which the caller makes
-    (:func:`check_records`, or a compiled pass that leaves any chunk it refuses to it); the
-    stream's own (header, metadata, truncation) are made here."""
     chunk_records = check_int("chunk_records", chunk_records, minimum=1)
-    path = os.fspath(path)
-    f, _ = open_regular(path)
-    with f:
-        schema, dtype, compressed, stream, head = _open_stream(f, path)
-        blocks = (_fill(itertools.chain([head], stream), dtype.itemsize * chunk_records) if compressed
-                  else _read_into(f, dtype.itemsize * chunk_records))
+    with DbnFile(path) as dbn:
+        for first, records in dbn.records(chunk_records):
+            check_records(records, dbn.schema, first, dbn.path)
+            yield dbn.schema, first, records
+
+
+class DbnFile:
+    """One DBN file (plain or zstd) opened for one read: its header checked and decoded once
+    (a zstd file's frames walked first, :func:`_zstd_frames_whole`), then :meth:`records`. A
+    context manager; errors as :func:`iter_records`."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._file, self._size = open_regular(self.path)
+        try:
+            self.schema, self.dtype, self.compressed, self._stream, self._head = _open_stream(self._file, self.path)
+        except BaseException:
+            self._file.close()
+            raise
+        self._header = self._file.tell()  # a plain file is left just past its metadata
+
+    def __enter__(self) -> DbnFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def capacity(self) -> tuple[int, bool]:
+        """``(records, exact)``: a plain file holds at most ``records`` (from its size; ``exact``
+        True); a zstd one about that many when its first frame records its content size (capped at
+        :data:`MAX_ZSTD_RATIO` times the file's size, a claim is not trusted), else 0 (``exact``
+        False: a hint to allocate by, the reader grows past it)."""
+        if not self.compressed:
+            return max(self._size - self._header, 0) // self.dtype.itemsize, True
+        content = _frame_content_size(os.pread(self._file.fileno(), 18, 0))
+        return min(content or 0, self._size * MAX_ZSTD_RATIO) // self.dtype.itemsize, False
+
+    def records(self, chunk_records: int = CHUNK_RECORDS) -> Iterator[tuple[int, np.ndarray]]:
+        """``(index of the chunk's first record, records)`` as :func:`iter_records` gives them,
+        without the records' checks, which the caller makes (:func:`check_records`, or a compiled
+        pass that leaves any chunk it refuses to it); the stream's own (truncation) are made here.
+        Read once: the stream is not rewound."""
+        chunk_records = check_int("chunk_records", chunk_records, minimum=1)
+        size = self.dtype.itemsize
+        blocks = (_fill(itertools.chain([self._head], self._stream), size * chunk_records) if self.compressed
+                  else _read_into(self._file, size * chunk_records))
         first, rest = 0, b""
         for data in blocks:
-            n = len(data) // dtype.itemsize  # whole records: every block but the last is a multiple
-            records = np.frombuffer(data, dtype=dtype, count=n)
+            n = len(data) // size  # whole records: every block but the last is a multiple
+            records = np.frombuffer(data, dtype=self.dtype, count=n)
             records.flags.writeable = False
-            rest = data[n * dtype.itemsize:]
+            rest = data[n * size:]
             if n:
-                yield schema, first, records
+                yield first, records
                 first += n
         if len(rest):
-            raise MarketDataError(f"{path}: truncated: {len(rest)} bytes of a partial {dtype.itemsize}-byte "
+            raise MarketDataError(f"{self.path}: truncated: {len(rest)} bytes of a partial {size}-byte "
                                   f"record {first} at the end")
 
 
@@ -241,22 +271,6 @@ def _open_stream(f: BinaryIO, path: str) -> tuple[str, np.dtype, bool, Iterator[
     return schema, layout(schema, ts_out=bool(metadata.ts_out)), compressed, stream, rest
 
 
-def record_capacity(path: str | os.PathLike) -> tuple[int, bool]:
-    """``(records, exact)``: a plain DBN file holds at most ``records`` (from its size; ``exact``
-    True); a zstd one about that many when its first frame records its content size (capped at
-    :data:`MAX_ZSTD_RATIO` times the file's size, a claim is not trusted), else 0 (``exact`` False:
-    a hint to allocate by, the reader grows past it)."""
-    path = os.fspath(path)
-    f, size = open_regular(path)
-    with f:
-        _, dtype, compressed, _, _ = _open_stream(f, path)
-        if not compressed:
-            return max(size - f.tell(), 0) // dtype.itemsize, True
-        f.seek(0)
-        content = _frame_content_size(f.read(18))
-        return min(content or 0, size * MAX_ZSTD_RATIO) // dtype.itemsize, False
-
-
 def _frame_content_size(header: bytes) -> int | None:
     """The decompressed size a zstd frame header records, or None (unknown or unreadable)."""
     import zstandard
@@ -283,14 +297,6 @@ def _fill(stream: Iterator[bytes], size: int) -> Iterator[memoryview]:
                 done = 0
     if done:
         yield buffer[:done]
-
-
-def read_schema(path: str | os.PathLike) -> str:
-    """The schema named in a DBN file's metadata (only the header is read); errors as :func:`iter_records`."""
-    path = os.fspath(path)
-    f, _ = open_regular(path)
-    with f:
-        return _open_stream(f, path)[0]
 
 
 class TimeOrder:

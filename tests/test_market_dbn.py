@@ -9,7 +9,8 @@ import pytest
 
 dbn = pytest.importorskip("databento_dbn")
 zstandard = pytest.importorskip("zstandard")
-from portable_ssm.market import fixed_to_float, read_bars, read_dbn_columns, resample  # noqa: E402
+from portable_ssm.market import dbn as dbn_files  # noqa: E402
+from portable_ssm.market import fixed_to_float, read_bars, read_bars_by_instrument, read_dbn_columns, resample  # noqa: E402
 
 
 def _metadata(schema: str) -> bytes:
@@ -85,6 +86,25 @@ def test_zstd_files_of_several_frames_read_whole(tmp_path):
     (tmp_path / "m.dbn.zst").write_bytes(compressor.compress(data[:1000]) + compressor.compress(data[1000:]))
     np.testing.assert_array_equal(read_dbn_columns(tmp_path / "m.dbn.zst", instrument_id=1)[1]["ts_event"],
                                   _reference(records, "trades", 1)["ts_event"])
+
+
+@pytest.mark.parametrize("schema", ["ohlcv-1s", "trades"])
+def test_each_reader_opens_a_file_and_walks_its_zstd_frames_once(tmp_path, monkeypatch, schema):
+    data = _metadata(schema) + b"".join(bytes(r) for r in _records(schema, 50, seed=5))
+    path = tmp_path / "f.dbn.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(data))
+    calls = []
+    for name in ("open_regular", "_zstd_frames_whole"):
+        original = getattr(dbn_files, name)
+        monkeypatch.setattr(dbn_files, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    readers = [lambda: read_bars(path, instrument_id=1, interval_ns=10**9),
+               lambda: read_bars_by_instrument(path, interval_ns=10**9)]
+    if schema == "ohlcv-1s":
+        readers.append(lambda: read_dbn_columns(path, instrument_id=1))
+    for read in readers:
+        calls.clear()
+        read()
+        assert calls == ["open_regular", "_zstd_frames_whole"]
 
 
 def _whole_array_bars(records: list, schema: str, instrument_id: int):
