@@ -76,7 +76,8 @@ inline void rope_head(float* v, const float* cos, const float* sin, int64_t r) {
 
 // Lane r of the result: the sum of the eight lanes of a[r] (four horizontal adds, one swap of halves).
 inline __m256 sum_lanes8(const __m256* a) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // a0..a3: low | high halves
+  // a0..a3: low | high halves
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }

@@ -106,7 +106,9 @@ inline void skip_and_gate(float* v, const float* x, const float* d, float d_all,
 // v[i] = v[i]·silu(gate[i]), in place.
 inline void gate_pass(float* v, const float* gate, int64_t count) {
   int64_t i = 0;
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(v + i), silu8(_mm256_loadu_ps(gate + i))));
+  for (; i + 8 <= count; i += 8) {
+    _mm256_storeu_ps(v + i, _mm256_mul_ps(_mm256_loadu_ps(v + i), silu8(_mm256_loadu_ps(gate + i))));
+  }
   for (; i < count; ++i) v[i] *= silu1(gate[i]);
 }
 
@@ -288,7 +290,8 @@ class Team {
     while (true) {
       const int64_t f = static_cast<int64_t>(word & kChunkMask), b = static_cast<int64_t>(word >> 32 & kChunkMask);
       if (f >= b) return -1;
-      if (span.word.compare_exchange_weak(word, front ? word + 1 : word - (uint64_t{1} << 32))) return front ? f : b - 1;
+      const uint64_t taken = front ? word + 1 : word - (uint64_t{1} << 32);
+      if (span.word.compare_exchange_weak(word, taken)) return front ? f : b - 1;
     }
   }
 
@@ -414,8 +417,7 @@ namespace {
 // int8 rows with no -128 through VNNI: each x row's byte digits made once, not once per block of rows.
 inline void tiled_products(const RowWeight& w, const float* x, int64_t b, float* y) {
   const int64_t tile = std::max<int64_t>(8, (int64_t{256} << 10) / (4 * w.in));  // x rows in 256 KiB
-  const bool int8 = w.kind == kWeightI8Sym,
-             tiles = int8 || w.kind == kWeightF32Tiles || w.kind == kWeightBF16Tiles || w.kind == kWeightI8Tiles;
+  const bool int8 = w.kind == kWeightI8Sym, tiles = w.kind >= kWeightI8Sym;  // kinds 3..6 are read by tiles
   thread_local std::vector<ByteRow> digits;  // kept by the thread between calls, as decode_rows_run's scratch
   if (int8 && static_cast<int64_t>(digits.size()) < b) digits.resize(static_cast<size_t>(b));
   for (int64_t j = 0; int8 && j < b; ++j) digits[j].make(x + j * w.in, w.in);

@@ -399,8 +399,8 @@ void portable_ssm_decode_hybrid(const int64_t* sizes, void* const* pointers, con
   }
   const RowWeight lm_head{pointers[2], sizes[9], f(pointers[3]), sizes[8], d};
   decode_hybrid_run(f(pointers[0]), d, blocks.data(), count, mambas.data(), n_mamba, f(pointers[1]), lm_head,
-                    f(pointers[4]), reals[0], reals[1], static_cast<float>(reals[2]), static_cast<float>(reals[3]), g, p,
-                    static_cast<int>(threads));
+                    f(pointers[4]), reals[0], reals[1], static_cast<float>(reals[2]), static_cast<float>(reals[3]),
+                    g, p, static_cast<int>(threads));
 }
 
 // One chunk of DBN trade (mbp = 0) or MBP-1 (mbp = 1) records [n] cut into bars of `interval` ns,
@@ -433,7 +433,7 @@ int64_t portable_ssm_event_bars(const uint8_t* records, int64_t n, int64_t size,
       value = dbn_price(p);
     }
     if (std::isnan(value)) continue;
-    const int64_t bucket = dbn_field<int64_t>(r, 8) / interval;
+    const int64_t bucket = select.last / interval;
     if (k < 0 || bucket != buckets[k]) {
       ++k;
       buckets[k] = bucket, row[0][k] = static_cast<double>(bucket), row[1][k] = row[2][k] = row[3][k] = value;
@@ -467,7 +467,7 @@ int64_t portable_ssm_ohlcv_columns(const uint8_t* records, int64_t n, int64_t si
       if (dbn_beyond(p)) return -1;
       prices[j][m] = dbn_price(p);
     }
-    ts[at + m] = dbn_field<int64_t>(r, 8), volume[at + m] = dbn_field<int64_t>(r, 48);
+    ts[at + m] = select.last, volume[at + m] = dbn_field<int64_t>(r, 48);
     ++m;
   }
   select.store(state);

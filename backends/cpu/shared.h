@@ -150,8 +150,8 @@ inline void row_products(const T* w, const float* x, const float* scale, float* 
 // tiles_at(out, n, element bytes) the same weights in tile order: for each 64 rows (a tile of up
 // to four blocks of 16 rows), [groups][blocks][16 rows][group], a group being 4 int8 columns for
 // kind 3 (one VNNI lane's bytes), else 1 column (float32, bfloat16 or int8), zero past n and past
-// out (row_tiles of backends/numpy/decode.py makes them). One group of x then multiplies 16 rows at once, each lane
-// summing one row, with no sums across lanes.
+// out (row_tiles of backends/numpy/decode.py makes them). One group of x then multiplies 16 rows
+// at once, each lane summing one row, with no sums across lanes.
 inline int64_t tiles_at(int64_t out, int64_t n, int64_t bytes) { return (out * n * bytes + 63) / 64 * 64; }
 inline int64_t vnni_groups(int64_t n) { return (n + 3) / 4; }
 
@@ -172,8 +172,8 @@ inline void each_tile(int64_t out, int64_t begin, int64_t end, const Tile& tile)
 }
 
 // y[r] = (w[r] · x)·scale[r] for the rows r in [lo, hi) of one tile of B blocks of float32,
-// bfloat16-bits or int8 weights (tile: its weights; y and scale from its first row; scale null: none): each
-// row's terms summed in x's order, one FMA a term.
+// bfloat16-bits or int8 weights (tile: its weights; y and scale from its first row; scale null:
+// none): each row's terms summed in x's order, one FMA a term.
 template <int B, typename T>
 inline void widened_tile(const T* tile, const float* x, int64_t n, const float* scale, float* y, int64_t lo,
                          int64_t hi) {
