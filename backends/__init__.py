@@ -50,6 +50,14 @@ def fast_op(xp: Namespace, op: str) -> Callable[..., Any] | None:
     return module.FAST_OPS.get(op)
 
 
+def compiled(fn: Callable[..., Any], xp: Namespace, name: str) -> Callable[..., Any]:
+    """``fn`` as ``xp``'s backend runs a whole function by default: ``jax.jit``-compiled on JAX (once
+    per shape; its traces counted under ``name`` in ``portable_ssm.backends.jax.TRACES``), as it is
+    elsewhere. Its callers check their arguments eagerly first: a tracer's values cannot be."""
+    jit = fast_op(xp, "jit")
+    return fn if jit is None else jit(fn, name, ())
+
+
 def to_backend(x: Array, backend: str, *, device: Any = None, dtype: str | None = None) -> Array:
     """Converts an array to ``backend`` (and optionally ``device`` / ``dtype`` by name).
 

@@ -57,7 +57,7 @@ from ._array import (
     namespace,
 )
 from ._checks import Shapes, check_bool, check_given, check_same_device
-from .backends import fast_op, load, to_backend
+from .backends import compiled, fast_op, load, to_backend
 from .config import Mamba2Config
 from .generation_options import (
     Options,
@@ -161,8 +161,7 @@ def _prefiller(config: Mamba2Config, xp: Namespace) -> Callable[..., tuple[Array
     def run(ids: Array, state: Mamba2State | None, pad: Array | None, params: Params) -> tuple[Array, Mamba2State]:
         return prefill(ids, state, pad, params, config=config, xp=xp)
 
-    jit = fast_op(xp, "jit")
-    return run if jit is None else jit(run, "prefill", ())
+    return compiled(run, xp, "prefill")
 
 
 @lru_cache(maxsize=8)

@@ -9,12 +9,13 @@ the attention layers never see a padding slot, and RoPE counts the row's own tok
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import lru_cache
 from typing import Any
 
 from ._array import Array, Namespace, array_backend, device, dtype_name, namespace
 from ._checks import Shapes, check_bool, check_int
-from .backends import fast_op
+from .backends import compiled, fast_op
 from .blocks.attention import advance
 from .generation import TokenChooser, check_id_dtype
 from .generation_options import CHECKPOINT_EOS, Limits, Options, call_options, check_generation_config, check_options
@@ -160,9 +161,8 @@ class HybridLM:
         check_attention_convs(self.config, state)
         check_room(state, l, xp=self._xp)
         x = embed_tokens(input_ids, self.params, self.config, xp=self._xp)
-        keep = min(logits_to_keep, l)
-        hidden, state = run_layers(x, self.params, self.config, state, tokens, pad, xp=self._xp, keep=keep)
-        return head(hidden, self.params, self.config, xp=self._xp), state  # [b, keep or l, V]
+        run = _layers_and_head(self.config, self._xp, min(logits_to_keep, l), False)
+        return run(x, state, tokens, pad, self.params)  # ([b, keep or l, V], state)
 
     def logits(self, input_ids: Array, *, attention_mask: Array | None = None) -> Array:
         """``input_ids [b, l]`` -> ``logits [b, l, V]`` (transformers' ``model(ids).logits``)."""
@@ -205,8 +205,7 @@ class HybridLM:
                                                    self.config)
         if fused is not None:  # the whole stack in one native step (the reference below: its twin)
             return scale_logits(fused[0], self.config), fused[1]
-        hidden, state = run_layers(x, self.params, self.config, state, tokens, None, xp=xp, one_token=True)
-        return head(hidden, self.params, self.config, xp=xp), state
+        return _layers_and_head(self.config, xp, 0, True)(x, state, tokens, None, self.params)
 
     def pool_put(self, pool: HybridState, state_batch_indices: Array, rows: HybridState) -> HybridState:
         """A new pool with the slots ``state_batch_indices [b]`` holding ``rows`` (e.g. a request's
@@ -231,7 +230,8 @@ class HybridLM:
         if getattr(ids, "ndim", 0) != 2:
             raise ValueError(f"input_ids: expected shape [b, l], got {tuple(ids.shape)}")
         if options.get("compile") is not None:
-            raise ValueError(f"compile: a hybrid model's steps run eagerly, got {options['compile']!r}")
+            raise ValueError(f"compile: a hybrid model's prefill and steps run as its backend runs them by default "
+                             f"(JAX: jax.jit, others: eagerly), got {options['compile']!r}")
         defaults = {"vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id, **self.generation_config}
         o = check_options(ids.shape[1], self.config.vocab_size,
                           **call_options(defaults, max_new_tokens, eos_token_id, options))
@@ -294,3 +294,20 @@ class HybridLM:
         if steps:
             ids, state = xp.concat([ids, xp.stack([token for token, _ in steps], axis=1)], axis=1), steps[-1][1]
         return (ids, state) if return_state else ids  # [b, l + new]
+
+
+@lru_cache(maxsize=16)
+def _layers_and_head(config: HybridConfig, xp: Namespace, keep: int,
+                     one_token: bool) -> Callable[..., tuple[Array, HybridState]]:
+    """``(x, state, tokens, pad, params) -> (logits, new state)``: :func:`~portable_ssm.stack.run_layers`
+    (``keep``, ``one_token`` as there) then the head, compiled where the backend compiles by default
+    (JAX: ``jax.jit``, once per shape, counted in ``portable_ssm.backends.jax.TRACES`` as "hybrid
+    prefill" and "hybrid step"; op by op, every new prompt length compiled each of the stack's ops
+    again); as it is elsewhere. The checks stay in the eager caller."""
+
+    def run(x: Array, state: HybridState, tokens: Array, pad: Array | None,
+            params: dict[str, Array]) -> tuple[Array, HybridState]:
+        hidden, new = run_layers(x, params, config, state, tokens, pad, xp=xp, one_token=one_token, keep=keep)
+        return head(hidden, params, config, xp=xp), new
+
+    return compiled(run, xp, "hybrid step" if one_token else "hybrid prefill")

@@ -9,15 +9,19 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import lru_cache
 from typing import Any
 
-from ._array import Array, array_backend, device, dtype_name, namespace
+from ._array import Array, Namespace, array_backend, device, dtype_name, namespace
+from ._checks import Shapes
+from .backends import compiled
 from .config import Mamba2Config
 from .generation import check_token_ids, generate, stream
 from .generation_options import CHECKPOINT_EOS, Limits, call_options, check_generation_config, check_id_list, is_int
 from .io.checkpoint import save_params
-from .lm import logits as lm_logits
+from .lm import prefill
+from .padding import check_attention_mask
 from .params import Params, check_params
 from .prompts import prompt_arrays
 from .quantized import QuantizedWeight, quantize
@@ -84,9 +88,12 @@ class Mamba2LM:
         left-padded) -> ``[b, l, rows]``, rows being the checkpoint's embedding rows
         (``config.padded_vocab_size``); ``attention_mask [b, l]`` marks left padding."""
         ids, mask = self._batch(input_ids, attention_mask)
-        xp = namespace(input_ids=ids)
+        xp = namespace(input_ids=ids, **{"params['embedding.weight']": self.params["embedding.weight"]})
+        shapes = Shapes()
+        shapes.check("input_ids", ids, ("b", "l"))
         check_token_ids("input_ids", ids, self.config.padded_vocab_size, xp=xp)
-        return lm_logits(ids, self.params, config=self.config, attention_mask=mask)
+        pad = None if mask is None else check_attention_mask(mask, shapes, "input_ids", ids, xp=xp)
+        return _all_logits(self.config, xp)(ids, pad, self.params)  # [b, l, rows]
 
     def _options(self, max_new_tokens: int | None, eos_token_id: Any, options: dict[str, Any]) -> dict[str, Any]:
         defaults = {"vocab_size": self.vocab_size, "eos_token_id": self.eos_token_id, **self.generation_config}
@@ -134,3 +141,15 @@ class Mamba2LM:
         if self.eos_token_id is not None:
             meta["eos_token_id"] = json.dumps(self.eos_token_id)
         save_params(path, self.params, self.config, metadata=meta)
+
+
+@lru_cache(maxsize=8)
+def _all_logits(config: Mamba2Config, xp: Namespace) -> Callable[[Array, Array | None, Params], Array]:
+    """``(ids [b, l], pad [b] or None, params) -> logits [b, l, rows]`` on checked arguments,
+    compiled where the backend compiles by default (JAX: ``jax.jit`` once per shape, traced as
+    "logits"; op by op, every new length compiled each op again)."""
+
+    def run(ids: Array, pad: Array | None, params: Params) -> Array:
+        return prefill(ids, None, pad, params, config=config, xp=xp, last_only=False)[0]
+
+    return compiled(run, xp, "logits")

@@ -120,14 +120,14 @@ def logits_step(token: Array, state: Mamba2State, params: Params, *, config: Mam
 
 
 def prefill(input_ids: Array, state: Mamba2State | None, pad: Array | None, params: Params, *,
-            config: Mamba2Config, xp: Namespace) -> tuple[Array, Mamba2State]:
+            config: Mamba2Config, xp: Namespace, last_only: bool = True) -> tuple[Array, Mamba2State]:
     """:func:`logits` on checked arguments for the last position only: ``(logits [b, padded_vocab]
     after the last token, state)``; ``pad [b]``: left-padding lengths or None (what generation runs,
-    compiled on JAX)."""
+    compiled on JAX). ``last_only=False``: every position's, ``[b, l, padded_vocab]``."""
     run = mixer if pad is None else partial(mixer, pad=pad)
     hidden, state = run_sequence(embed(input_ids, params, xp=xp), params, config, state, run, xp=xp,
-                                 last_only=True)  # [b, 1, d_model]
-    return _linear(hidden[:, -1, :], head_weight(params, config), None, xp=xp), state
+                                 last_only=last_only)  # [b, 1 or l, d_model]
+    return _linear(hidden[:, -1, :] if last_only else hidden, head_weight(params, config), None, xp=xp), state
 
 
 def decode(token: Array, state: Mamba2State, params: Params, *, config: Mamba2Config,

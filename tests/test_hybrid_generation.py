@@ -97,6 +97,25 @@ def test_a_stop_sequence_ends_the_row_after_it_then_pads(xp, granite):
     np.testing.assert_array_equal(got[1, :ends[0] if ends else NEW], plain[1, :ends[0] if ends else NEW])
 
 
+def test_jax_compiles_the_hybrid_prefill_once_per_shape_and_the_step_once(granite):
+    pytest.importorskip("jax")
+    from portable_ssm.backends import jax as jax_backend
+
+    lm = portable_ssm.load_pretrained(granite["folder"], backend="jax")
+    ids = load("jax").asarray(granite["ids"].numpy(), "int64", None)
+    before = dict(jax_backend.TRACES)
+    got = lm.generate(ids, NEW, eos_token_id=None)
+    traced = dict(jax_backend.TRACES)
+    assert traced.get("hybrid step", 0) == before.get("hybrid step", 0) + 1
+    assert traced.get("hybrid prefill", 0) == before.get("hybrid prefill", 0) + 1
+    again = lm.generate(ids, NEW, eos_token_id=None)
+    assert dict(jax_backend.TRACES) == traced  # the second call reuses the compiled prefill and step
+    host = portable_ssm.load_pretrained(granite["folder"], backend="numpy")
+    want = host.generate(granite["ids"].numpy(), NEW, eos_token_id=None)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(again), want)
+
+
 def test_seeded_sampling_draws_what_the_shared_sampler_draws(xp, granite):
     lm, ids = _model_and_ids(xp, granite)
     options = dict(temperature=0.8, top_k=20, top_p=0.9)

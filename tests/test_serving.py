@@ -338,3 +338,18 @@ def test_jax_generation_compiles_prefill_and_decode_step_once_per_shape():
     expected = generate(np.asarray([PROMPTS[0], PROMPTS[0][::-1]]), HOST, config=CONFIG, max_new_tokens=6)
     np.testing.assert_array_equal(np.asarray(out), expected)
     np.testing.assert_array_equal(np.asarray(again), expected)
+
+
+def test_jax_lm_logits_compile_once_per_shape_and_equal_the_functional_logits():
+    pytest.importorskip("jax")
+    from portable_ssm.backends import jax as jax_backend
+
+    model = Mamba2LM(ps.cast_params(HOST, "float32", backend="jax"), CONFIG)
+    before = jax_backend.TRACES["logits"]
+    ragged = [PROMPTS[0], PROMPTS[2]]
+    got = [np.asarray(model.logits(ragged)) for _ in range(2)]
+    assert jax_backend.TRACES["logits"] == before + 1  # the second call reuses the compiled logits
+    ids, mask = left_pad(ragged)
+    want = lm.logits(np.asarray(ids), HOST, config=CONFIG, attention_mask=np.asarray(mask))
+    for out in got:
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
