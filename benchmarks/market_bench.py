@@ -4,6 +4,7 @@ DBN reading speed and peak memory on generated 10^7-record files. Prints Markdow
     python benchmarks/market_bench.py                      # both parts
     python benchmarks/market_bench.py --only latency --instruments 1 10
     python benchmarks/market_bench.py --only latency --weights int8   # one storage kind of the projections
+    python benchmarks/market_bench.py --only latency --backends jax --weights float32   # JAX's rows
     python benchmarks/market_bench.py --only reading --records 1000000
     python benchmarks/market_bench.py --only breakdown      # where one instrument's bar goes (per --weights)
 
@@ -27,7 +28,9 @@ two at every N. ``--weights`` (default all three) also times ``MarketStream (new
 whose backbone projections are stored as int8 or bfloat16 (``MarketModel.quantize``; the row kernel
 at every N, sgemm being float32 only; int8 through AVX-512 VNNI where the CPU has it and
 ``PORTABLE_SSM_CPU_ISA`` is not ``avx2``, which the JSON line's ``int8_vnni`` says); its ``weight_mib``
-column is the bytes of the backbone a bar reads (``portable_ssm.params_nbytes``). Reading: the files
+column is the bytes of the backbone a bar reads (``portable_ssm.params_nbytes``). ``--backends jax``
+(not in the default): ``MarketStream (new)`` is ``portable_ssm.step`` between the maps under
+``jax.jit``, the old paths op by op. Reading: the files
 are written and synced, then each case runs in two fresh processes one after the other and reports
 the second's records/s and peak RSS (VmHWM) above the RSS after imports, and the first's seconds
 (``first_seconds``: on a VM the first process to touch the output's memory after the files were
@@ -119,9 +122,10 @@ def _time_new(model, bars, n: int, warmup: int, path: str) -> dict[str, float]:
 
 
 def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int, both_products: bool = False,
-            weights: tuple[str, ...] = WEIGHTS) -> list[dict]:
+            weights: tuple[str, ...] = WEIGHTS, backends: tuple[str, ...] = ("numpy", "torch")) -> list[dict]:
     """Rows of the latency table: shape, backend, weights, path, N, median and p99 µs per bar (the
-    old paths for float32 weights only; ``MarketStream (new)`` for each of ``weights``)."""
+    old paths for float32 weights only; ``MarketStream (new)`` for each of ``weights``) on each of
+    ``backends``."""
     import torch
     from portable_ssm.market import synthetic_bars
 
@@ -131,7 +135,7 @@ def latency(instruments: list[int], bars_per_n: dict[int, int], warmup: int, bot
     rows = []
     with torch.no_grad():
         for shape in SHAPES:
-            for backend in ("numpy", "torch"):
+            for backend in backends:
                 for kind in weights:
                     model = _seed_model(backend, shape, kind)
                     at = {"shape": shape, "backend": backend, "weights": kind,
@@ -334,6 +338,8 @@ def main() -> None:
                    help="also time RowsStep with the row kernel only and with sgemm only at every N")
     p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS),
                    help="storage kinds of the backbone's projections to time (MarketModel.quantize)")
+    p.add_argument("--backends", nargs="+", choices=("numpy", "torch", "jax"), default=["numpy", "torch"],
+                   help="the latency table's backends (jax: MarketStream's compiled bar beside op by op)")
     p.add_argument("--bars", type=int, help="bars timed at every N (default: 1000 at N = 1 down to 30 at 1000)")
     p.add_argument("--records", type=int, default=10_000_000)
     p.add_argument("--reference-records", type=int, default=1_000_000)
@@ -349,7 +355,8 @@ def main() -> None:
     if args.only in (None, "latency"):
         bars = {1: 1000, 10: 300, 100: 100, 1000: 30} if args.bars is None else dict.fromkeys(args.instruments,
                                                                                                 args.bars)
-        result["latency"] = latency(args.instruments, bars, args.warmup, args.both_products, tuple(args.weights))
+        result["latency"] = latency(args.instruments, bars, args.warmup, args.both_products, tuple(args.weights),
+                                    tuple(args.backends))
         print(_table(result["latency"], ["shape", "backend", "weights", "weight_mib", "path", "n", "median_us",
                                          "p99_us", "bars"]))
     if args.only in (None, "reading"):

@@ -26,17 +26,20 @@ The step (``fast=True``, the default) takes the fastest exact path each backend 
   through the backend's compiled whole-model decode (``decode_model`` of
   ``portable_ssm.backends.torch``, batch 1), its state row written back in place.
 
-Otherwise, and with ``fast=False``, it is :func:`portable_ssm.step`, the reference; tests hold
-every path to the batch forward within float32 rounding.
+Otherwise it is :func:`portable_ssm.step` between the input and output maps, ``jax.jit``-compiled on
+JAX (once per count of updating rows), and with ``fast=False`` that step op by op, the reference;
+tests hold every path to the batch forward within float32 rounding.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
+from portable_ssm.backends import compiled
 
 from portable_ssm import Mamba2Config, Mamba2State, empty_state, step, to_backend
 from portable_ssm._array import array_backend, device, namespace
@@ -44,6 +47,21 @@ from portable_ssm._array import array_backend, device, namespace
 from ._checks import check_float_array, check_int
 from .features import Normaliser, feature_rows, model_inputs
 from .numpy_step import NumpyStep
+
+
+@lru_cache(maxsize=8)
+def _reference_bar(config: Mamba2Config, xp: Any, fast: bool) -> Callable[..., tuple[Any, Mamba2State]]:
+    """``(x [k, F], state, params, head) -> (outputs [k, 1], state)``: the input map,
+    :func:`portable_ssm.step` and the output map; with ``fast`` compiled where the backend compiles
+    by default (JAX: ``jax.jit`` once per row count, traced as "market bar")."""
+
+    def run(x: Any, state: Mamba2State, params: dict[str, Any], head: dict[str, Any]) -> tuple[Any, Mamba2State]:
+        u = _linear(x, head["inp.weight"], head["inp.bias"])  # [k, d_model]
+        y, new = step(u, state, params, config=config)
+        return _linear(y, head["head.weight"], head["head.bias"]), new  # [k, 1]
+
+    return compiled(run, xp, "market bar") if fast else run
+
 
 HEAD_NAMES = ("inp.weight", "inp.bias", "head.weight", "head.bias")
 _FIELDS = ("open", "high", "low", "close", "volume")  # update()'s bar fields
@@ -104,6 +122,7 @@ class MarketStream:
         use_numpy = fallback and self._backend == "numpy" and NumpyStep.supports({**params, **head}, config)
         self._numpy = NumpyStep(params, config) if use_numpy else None
         self._native = self._native_decode() if fallback else None
+        self._reference = _reference_bar(config, self._xp, fast)  # what runs where none of those does
         self._bound: Mamba2State | None = None  # the state self._bar's step holds the addresses of
         if len(instruments):
             self._join(list(instruments))
@@ -280,9 +299,7 @@ class MarketStream:
         state = self.state if everyone else Mamba2State(conv=tuple(xp.take(a, index, axis=0) for a in self.state.conv),
                                                          ssm=tuple(xp.take(a, index, axis=0) for a in self.state.ssm))
         x_b = xp.astype(to_backend(x, self._backend, device=self._device), self._dtype)  # [k, F]
-        u = _linear(x_b, self.head["inp.weight"], self.head["inp.bias"])  # [k, d_model]
-        y, state = step(u, state, self.params, config=self.config)
-        out = _linear(y, self.head["head.weight"], self.head["head.bias"])  # [k, 1]
+        out, state = self._reference(x_b, state, self.params, self.head)  # [k, 1]
         self.state = state if everyone else self._scatter(index, state)
         return np.asarray(to_backend(out, "numpy"), dtype=np.float64)[:, 0]
 

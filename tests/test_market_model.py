@@ -82,6 +82,24 @@ def test_streaming_many_instruments_joining_and_leaving_equals_the_batch_forward
     assert stream.instruments == (3, 4)
 
 
+def test_a_jax_stream_steps_through_one_compiled_bar_and_without_fast_op_by_op():
+    pytest.importorskip("jax")
+    from portable_ssm.backends import jax as jax_backend
+
+    model, bars = _model("jax"), synthetic_bars("planted", 12, seed=1)
+    for fast in (True, False):
+        stream = model.stream(instruments=[3, 9], fast=fast)
+        before = jax_backend.TRACES["market bar"]
+        for t in range(len(bars)):
+            stream.update(np.array([3, 9]), *(np.full(2, getattr(bars, f)[t]) for f in
+                                              ("open", "high", "low", "close", "volume")))
+        after = jax_backend.TRACES["market bar"]
+        if fast:  # traced at most once for its two rows (earlier streams of two rows may have traced it)
+            assert before <= after <= before + 1 and after >= 1
+        else:
+            assert after == before
+
+
 def _stream_and_compare(model, stream, series, joins, leaves, *, skipping, count=30):
     """Streams ``series`` (instrument id -> Bars) through ``stream`` with instruments joining at
     ``joins`` and leaving at ``leaves`` (id -> bar), ``skipping`` updating only on some bars (subsets
