@@ -106,8 +106,8 @@ def test_jax_compiles_the_hybrid_prefill_once_per_shape_and_the_step_once(granit
     before = dict(jax_backend.TRACES)
     got = lm.generate(ids, NEW, eos_token_id=None)
     traced = dict(jax_backend.TRACES)
-    assert traced.get("hybrid step", 0) == before.get("hybrid step", 0) + 1
-    assert traced.get("hybrid prefill", 0) == before.get("hybrid prefill", 0) + 1
+    for name in ("hybrid prefill", "hybrid step"):  # once, or not at all where an earlier test traced these shapes
+        assert before.get(name, 0) <= traced.get(name, 0) <= before.get(name, 0) + 1 and traced.get(name, 0) >= 1
     again = lm.generate(ids, NEW, eos_token_id=None)
     assert dict(jax_backend.TRACES) == traced  # the second call reuses the compiled prefill and step
     host = portable_ssm.load_pretrained(granite["folder"], backend="numpy")

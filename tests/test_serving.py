@@ -348,7 +348,8 @@ def test_jax_lm_logits_compile_once_per_shape_and_equal_the_functional_logits():
     before = jax_backend.TRACES["logits"]
     ragged = [PROMPTS[0], PROMPTS[2]]
     got = [np.asarray(model.logits(ragged)) for _ in range(2)]
-    assert jax_backend.TRACES["logits"] == before + 1  # the second call reuses the compiled logits
+    after = jax_backend.TRACES["logits"]  # once, or not at all where an earlier test traced this shape
+    assert before <= after <= before + 1 and after >= 1  # so the second call reused the compiled logits
     ids, mask = left_pad(ragged)
     want = lm.logits(np.asarray(ids), HOST, config=CONFIG, attention_mask=np.asarray(mask))
     for out in got:
