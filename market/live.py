@@ -48,9 +48,17 @@ from ._checks import check_float_array, check_int
 from .features import Normaliser, feature_rows, model_inputs
 from .numpy_step import NumpyStep
 
+HEAD_NAMES = ("inp.weight", "inp.bias", "head.weight", "head.bias")
+_FIELDS = ("open", "high", "low", "close", "volume")  # update()'s bar fields
+_INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(np.float64)
+
+
+def _linear(x: Any, weight: Any, bias: Any) -> Any:
+    return x @ weight.T + bias  # [..., in] -> [..., out]
+
 
 @lru_cache(maxsize=8)
-def _reference_bar(config: Mamba2Config, xp: Any, fast: bool) -> Callable[..., tuple[Any, Mamba2State]]:
+def _step_bar(config: Mamba2Config, xp: Any, fast: bool) -> Callable[..., tuple[Any, Mamba2State]]:
     """``(x [k, F], state, params, head) -> (outputs [k, 1], state)``: the input map,
     :func:`portable_ssm.step` and the output map; with ``fast`` compiled where the backend compiles
     by default (JAX: ``jax.jit`` once per row count, traced as "market bar")."""
@@ -61,15 +69,6 @@ def _reference_bar(config: Mamba2Config, xp: Any, fast: bool) -> Callable[..., t
         return _linear(y, head["head.weight"], head["head.bias"]), new  # [k, 1]
 
     return compiled(run, xp, "market bar") if fast else run
-
-
-HEAD_NAMES = ("inp.weight", "inp.bias", "head.weight", "head.bias")
-_FIELDS = ("open", "high", "low", "close", "volume")  # update()'s bar fields
-_INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(np.float64)
-
-
-def _linear(x: Any, weight: Any, bias: Any) -> Any:
-    return x @ weight.T + bias  # [..., in] -> [..., out]
 
 
 def check_head(head: Any, config: Mamba2Config, features: int) -> None:
@@ -122,7 +121,7 @@ class MarketStream:
         use_numpy = fallback and self._backend == "numpy" and NumpyStep.supports({**params, **head}, config)
         self._numpy = NumpyStep(params, config) if use_numpy else None
         self._native = self._native_decode() if fallback else None
-        self._reference = _reference_bar(config, self._xp, fast)  # what runs where none of those does
+        self._step_bar = _step_bar(config, self._xp, fast)  # what runs where none of those does
         self._bound: Mamba2State | None = None  # the state self._bar's step holds the addresses of
         if len(instruments):
             self._join(list(instruments))
@@ -299,7 +298,7 @@ class MarketStream:
         state = self.state if everyone else Mamba2State(conv=tuple(xp.take(a, index, axis=0) for a in self.state.conv),
                                                          ssm=tuple(xp.take(a, index, axis=0) for a in self.state.ssm))
         x_b = xp.astype(to_backend(x, self._backend, device=self._device), self._dtype)  # [k, F]
-        out, state = self._reference(x_b, state, self.params, self.head)  # [k, 1]
+        out, state = self._step_bar(x_b, state, self.params, self.head)  # [k, 1]
         self.state = state if everyone else self._scatter(index, state)
         return np.asarray(to_backend(out, "numpy"), dtype=np.float64)[:, 0]
 
