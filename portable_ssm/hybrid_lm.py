@@ -161,7 +161,8 @@ class HybridLM:
         check_attention_convs(self.config, state)
         check_room(state, l, xp=self._xp)
         x = embed_tokens(input_ids, self.params, self.config, xp=self._xp)
-        run = _layers_and_head(self.config, self._xp, min(logits_to_keep, l), False)
+        keep = logits_to_keep if logits_to_keep < l else 0  # keeping l or more is keeping every position
+        run = _layers_and_head(self.config, self._xp, keep, False)
         return run(x, state, tokens, pad, self.params)  # ([b, keep or l, V], state)
 
     def logits(self, input_ids: Array, *, attention_mask: Array | None = None) -> Array:

@@ -114,6 +114,11 @@ def test_jax_compiles_the_hybrid_prefill_once_per_shape_and_the_step_once(granit
     want = host.generate(granite["ids"].numpy(), NEW, eos_token_id=None)
     np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_array_equal(np.asarray(again), want)
+    every = lm.logits(ids)  # [b, l, V]
+    traced = dict(jax_backend.TRACES)
+    kept, _ = lm.prefill(ids, logits_to_keep=ids.shape[1] + 3)
+    assert dict(jax_backend.TRACES) == traced  # keeping l or more positions is the compiled call that keeps all
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(every))
 
 
 def test_seeded_sampling_draws_what_the_shared_sampler_draws(xp, granite):
