@@ -6,7 +6,7 @@ DBN reading speed and peak memory on generated 10^7-record files. Prints Markdow
     python benchmarks/market_bench.py --only latency --weights int8   # one storage kind of the projections
     python benchmarks/market_bench.py --only latency --backends jax --weights float32   # JAX's rows
     python benchmarks/market_bench.py --only reading --records 1000000
-    python benchmarks/market_bench.py --only breakdown      # where one instrument's bar goes (per --weights)
+    python benchmarks/market_bench.py --only breakdown      # where one instrument's bar goes (per --weights, --reps)
 
 Latency: two model shapes (:data:`SHAPES`, float32, random weights), torch limited to one thread,
 numpy's BLAS to one thread; a "bar" is one update of every instrument. The seed shape is the one of
@@ -341,6 +341,7 @@ def main() -> None:
     p.add_argument("--backends", nargs="+", choices=("numpy", "torch", "jax"), default=["numpy", "torch"],
                    help="the latency table's backends (jax: MarketStream's compiled bar beside op by op)")
     p.add_argument("--bars", type=int, help="bars timed at every N (default: 1000 at N = 1 down to 30 at 1000)")
+    p.add_argument("--reps", type=int, default=400, help="calls of each stage --only breakdown times")
     p.add_argument("--records", type=int, default=10_000_000)
     p.add_argument("--reference-records", type=int, default=1_000_000)
     args = p.parse_args()
@@ -349,7 +350,7 @@ def main() -> None:
     result = {"load_average_at_start": [round(v, 1) for v in os.getloadavg()], "cpus": os.cpu_count(),
               "int8_vnni": kernels.vnni_products()}
     if args.only == "breakdown":
-        result["breakdown"] = {f"{backend}, {kind}": breakdown(backend, weights=kind)
+        result["breakdown"] = {f"{backend}, {kind}": breakdown(backend, args.reps, kind)
                                for backend in ("numpy", "torch") for kind in args.weights}
         print(json.dumps(result["breakdown"], indent=1))
     if args.only in (None, "latency"):
