@@ -19,8 +19,7 @@ from .backends import compiled, fast_op
 from .blocks.attention import advance
 from .generation import TokenChooser, check_id_dtype
 from .generation_options import CHECKPOINT_EOS, Limits, Options, call_options, check_generation_config, check_options
-from .lm import check_token_ids
-from .padding import check_attention_mask
+from .lm import check_prompt, check_token_ids
 from .prompts import prompt_arrays
 from .quantized import QUANTIZED_LEAVES, quantize
 from .stack import (
@@ -132,13 +131,8 @@ class HybridLM:
     def _tokens(self, input_ids: Array, attention_mask: Array | None) -> tuple[Array, Array | None]:
         """``(tokens [b, l] bool, pad [b] or None)`` after checking ids and mask at the door."""
         xp = self._xp
-        namespace(input_ids=input_ids, **{"params['embedding.weight']": self.params["embedding.weight"]})
-        shapes = Shapes()
-        shapes.check("input_ids", input_ids, ("b", "l"))
-        check_token_ids("input_ids", input_ids, self.config.vocab_size, xp=xp)
+        _, _, pad = check_prompt(input_ids, attention_mask, self.config.vocab_size, self.params["embedding.weight"])
         b, l = input_ids.shape
-        pad = None if attention_mask is None else check_attention_mask(attention_mask, shapes, "input_ids",
-                                                                       input_ids, xp=xp)
         slot = xp.arange(l, dtype=xp.int64, device=device(input_ids))
         tokens = (slot[None, :] >= (xp.zeros((b,), dtype=xp.int64, device=device(input_ids)) if pad is None
                                     else pad)[:, None])  # [b, l]

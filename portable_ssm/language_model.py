@@ -13,15 +13,13 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
-from ._array import Array, Namespace, array_backend, device, dtype_name, namespace
-from ._checks import Shapes
+from ._array import Array, Namespace, array_backend, device, dtype_name
 from .backends import compiled
 from .config import Mamba2Config
-from .generation import check_token_ids, generate, stream
+from .generation import generate, stream
 from .generation_options import CHECKPOINT_EOS, Limits, call_options, check_generation_config, check_id_list, is_int
 from .io.checkpoint import save_params
-from .lm import prefill
-from .padding import check_attention_mask
+from .lm import check_prompt, prefill
 from .params import Params, check_params
 from .prompts import prompt_arrays
 from .quantized import QuantizedWeight, quantize
@@ -88,11 +86,7 @@ class Mamba2LM:
         left-padded) -> ``[b, l, rows]``, rows being the checkpoint's embedding rows
         (``config.padded_vocab_size``); ``attention_mask [b, l]`` marks left padding."""
         ids, mask = self._batch(input_ids, attention_mask)
-        xp = namespace(input_ids=ids, **{"params['embedding.weight']": self.params["embedding.weight"]})
-        shapes = Shapes()
-        shapes.check("input_ids", ids, ("b", "l"))
-        check_token_ids("input_ids", ids, self.config.padded_vocab_size, xp=xp)
-        pad = None if mask is None else check_attention_mask(mask, shapes, "input_ids", ids, xp=xp)
+        xp, _, pad = check_prompt(ids, mask, self.config.padded_vocab_size, self.params["embedding.weight"])
         return _all_logits(self.config, xp)(ids, pad, self.params)  # [b, l, rows]
 
     def _options(self, max_new_tokens: int | None, eos_token_id: Any, options: dict[str, Any]) -> dict[str, Any]:

@@ -12,13 +12,13 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from ._array import Array, Namespace, dtype_name, is_traced
+from ._array import Array, Namespace, dtype_name, is_traced, namespace
 from ._checks import Shapes, check_bool, check_given
 from .backends import fast_op
 from .config import Mamba2Config
 from .mixer import _linear, mixer, mixer_step
 from .model import Mamba2State, _blocks, _check_state, _sequence_mixer, check_backends, pool_blocks, run_sequence
-from .padding import padded_layer
+from .padding import check_attention_mask, padded_layer
 from .params import Params, check_params
 from .quantized import QuantizedWeight, take_rows
 
@@ -32,6 +32,21 @@ def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
     if math.prod(ids.shape) and not is_traced(ids) and (bool(xp.any(ids < 0)) or bool(xp.any(ids >= rows))):
         raise ValueError(f"{name}: expected token ids in [0, {rows}), got ids from {int(xp.min(ids))} "
                          f"to {int(xp.max(ids))}")
+
+
+def check_prompt(input_ids: Array, attention_mask: Array | None, rows: int,
+                 embedding: Array) -> tuple[Namespace, Shapes, Array | None]:
+    """A language model's prompt at the door: ``input_ids [b, l]`` token ids in ``[0, rows)`` on
+    the backend of ``embedding`` (the model's ``params['embedding.weight']``) and ``attention_mask
+    [b, l]`` (left padding) or None. Returns ``(xp, shapes, pad)``: the namespace, the checked
+    ``b`` and ``l``, and each row's padding length ``[b]`` (None when nothing is masked)."""
+    xp = namespace(input_ids=input_ids, **{"params['embedding.weight']": embedding})
+    shapes = Shapes()
+    shapes.check("input_ids", input_ids, ("b", "l"))
+    check_token_ids("input_ids", input_ids, rows, xp=xp)
+    pad = None if attention_mask is None else check_attention_mask(attention_mask, shapes, "input_ids", input_ids,
+                                                                   xp=xp)
+    return xp, shapes, pad
 
 
 def _check_ids(ids: Array, config: Mamba2Config, spec: tuple[str, ...], *, xp: Namespace,
