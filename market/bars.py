@@ -117,11 +117,13 @@ Compiled = Callable[[str, int, np.ndarray, int, np.ndarray], bool]
 
 
 class _Selection:
-    """The records of one instrument, chunk by chunk: ``instrument_id``'s, or the file's only one's
-    (MarketDataError when several are there and none is chosen), checked for time order."""
+    """The records of one instrument of an open ``dbn``, chunk by chunk: ``instrument_id``'s, or the
+    file's only one's (MarketDataError when several are there and none is chosen), checked for time
+    order."""
 
-    def __init__(self, path: str, instrument_id: int | None) -> None:
-        self.path, self.instrument_id, self.order, self.only = path, instrument_id, TimeOrder(path), None
+    def __init__(self, dbn: DbnFile, instrument_id: int | None) -> None:
+        self.dbn, self.path, self.instrument_id = dbn, dbn.path, instrument_id
+        self.order, self.only = TimeOrder(dbn.path), None
 
     def __call__(self, first: int, records: np.ndarray) -> np.ndarray:
         """The chunk's records (the first at file index ``first``) of the instrument."""
@@ -149,18 +151,18 @@ class _Selection:
         self.only = None if state[0] < 0 else int(state[0])
         self.order.last, self.order.last_index = int(state[1]), int(state[2])
 
-    def chunks(self, dbn: DbnFile, chunk_records: int, compiled: Compiled | None) -> Iterator[np.ndarray]:
-        """The instrument's records of each chunk of ``dbn`` that ``compiled`` (``compiled(schema,
+    def chunks(self, chunk_records: int, compiled: Compiled | None) -> Iterator[np.ndarray]:
+        """The instrument's records of each chunk of the file that ``compiled`` (``compiled(schema,
         first, records, chosen, state) -> bool``, or None; chosen: the instrument asked for or -1)
         did not take: it reads the unchecked chunk in one pass and updates ``state`` where it takes
         it; the rest are checked and selected here, so the errors are the NumPy path's."""
-        chosen = -1 if self.instrument_id is None else self.instrument_id
-        for first, records in dbn.records(chunk_records):
+        chosen, schema = -1 if self.instrument_id is None else self.instrument_id, self.dbn.schema
+        for first, records in self.dbn.records(chunk_records):
             state = self.state()
-            if compiled is not None and compiled(dbn.schema, first, records, chosen, state):
+            if compiled is not None and compiled(schema, first, records, chosen, state):
                 self.carry(state)
                 continue
-            check_records(records, dbn.schema, first, self.path)
+            check_records(records, schema, first, self.path)
             yield self(first, records)
 
 
@@ -277,7 +279,7 @@ def _read_columns(dbn: DbnFile, instrument_id: int | None, chunk_records: int) -
     """:func:`read_dbn_columns` of an open file."""
     sink = _Columns(*dbn.capacity())
     compiled = sink.compiled if dbn.schema in OHLCV_SCHEMAS else None
-    for records in _Selection(dbn.path, instrument_id).chunks(dbn, chunk_records, compiled):
+    for records in _Selection(dbn, instrument_id).chunks(chunk_records, compiled):
         sink.add(_columns(dbn.path, dbn.schema, records))
     columns = sink.result(dbn.path, dbn.schema)
     if columns["ts_event"].shape[0] == 0 and instrument_id is not None:
@@ -380,7 +382,7 @@ def read_bars(path: str | os.PathLike, *, instrument_id: int | None = None, inte
         if interval_ns is None:
             raise ValueError(f"interval_ns: {path} holds {dbn.schema} events; give a bar length (e.g. 1_000_000_000)")
         cutter = _BarCutter(interval_ns)
-        for records in _Selection(path, instrument_id).chunks(dbn, chunk_records, cutter.compiled):
+        for records in _Selection(dbn, instrument_id).chunks(chunk_records, cutter.compiled):
             cutter.add(*_events(path, dbn.schema, records))
     return cutter.bars(path)
 
