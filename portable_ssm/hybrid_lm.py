@@ -131,7 +131,7 @@ class HybridLM:
     def _tokens(self, input_ids: Array, attention_mask: Array | None) -> tuple[Array, Array | None]:
         """``(tokens [b, l] bool, pad [b] or None)`` after checking ids and mask at the door."""
         xp = self._xp
-        _, _, pad = check_prompt(input_ids, attention_mask, self.config.vocab_size, self.params["embedding.weight"])
+        _, pad = check_prompt(input_ids, attention_mask, self.config.vocab_size, self.params["embedding.weight"])
         b, l = input_ids.shape
         slot = xp.arange(l, dtype=xp.int64, device=device(input_ids))
         tokens = (slot[None, :] >= (xp.zeros((b,), dtype=xp.int64, device=device(input_ids)) if pad is None

@@ -86,7 +86,7 @@ class Mamba2LM:
         left-padded) -> ``[b, l, rows]``, rows being the checkpoint's embedding rows
         (``config.padded_vocab_size``); ``attention_mask [b, l]`` marks left padding."""
         ids, mask = self._batch(input_ids, attention_mask)
-        xp, _, pad = check_prompt(ids, mask, self.config.padded_vocab_size, self.params["embedding.weight"])
+        xp, pad = check_prompt(ids, mask, self.config.padded_vocab_size, self.params["embedding.weight"])
         return _all_logits(self.config, xp)(ids, pad, self.params)  # [b, l, rows]
 
     def _options(self, max_new_tokens: int | None, eos_token_id: Any, options: dict[str, Any]) -> dict[str, Any]:

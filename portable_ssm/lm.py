@@ -35,18 +35,18 @@ def check_token_ids(name: str, ids: Array, rows: int, *, xp: Namespace) -> None:
 
 
 def check_prompt(input_ids: Array, attention_mask: Array | None, rows: int,
-                 embedding: Array) -> tuple[Namespace, Shapes, Array | None]:
+                 embedding: Array) -> tuple[Namespace, Array | None]:
     """A language model's prompt at the door: ``input_ids [b, l]`` token ids in ``[0, rows)`` on
     the backend of ``embedding`` (the model's ``params['embedding.weight']``) and ``attention_mask
-    [b, l]`` (left padding) or None. Returns ``(xp, shapes, pad)``: the namespace, the checked
-    ``b`` and ``l``, and each row's padding length ``[b]`` (None when nothing is masked)."""
+    [b, l]`` (left padding) or None. Returns ``(xp, pad)``: the namespace and each row's padding
+    length ``[b]`` (None when nothing is masked)."""
     xp = namespace(input_ids=input_ids, **{"params['embedding.weight']": embedding})
     shapes = Shapes()
     shapes.check("input_ids", input_ids, ("b", "l"))
     check_token_ids("input_ids", input_ids, rows, xp=xp)
     pad = None if attention_mask is None else check_attention_mask(attention_mask, shapes, "input_ids", input_ids,
                                                                    xp=xp)
-    return xp, shapes, pad
+    return xp, pad
 
 
 def _check_ids(ids: Array, config: Mamba2Config, spec: tuple[str, ...], *, xp: Namespace,
