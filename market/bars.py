@@ -122,7 +122,7 @@ class _Selection:
     order."""
 
     def __init__(self, dbn: DbnFile, instrument_id: int | None) -> None:
-        self.dbn, self.path, self.instrument_id = dbn, dbn.path, instrument_id
+        self.dbn, self.instrument_id = dbn, instrument_id
         self.order, self.only = TimeOrder(dbn.path), None
 
     def __call__(self, first: int, records: np.ndarray) -> np.ndarray:
@@ -132,7 +132,7 @@ class _Selection:
             self.only = int(ids[0]) if self.only is None else self.only
             if (ids != self.only).any():
                 seen = sorted({self.only, *np.unique(ids).tolist()})
-                raise MarketDataError(f"{self.path}: holds instruments {seen}; choose one with instrument_id")
+                raise MarketDataError(f"{self.dbn.path}: holds instruments {seen}; choose one with instrument_id")
             index = first + np.arange(records.shape[0])
         else:
             index = first + np.flatnonzero(ids == self.instrument_id)
@@ -162,7 +162,7 @@ class _Selection:
             if compiled is not None and compiled(schema, first, records, chosen, state):
                 self.carry(state)
                 continue
-            check_records(records, schema, first, self.path)
+            check_records(records, schema, first, self.dbn.path)
             yield self(first, records)
 
 
